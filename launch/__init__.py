@@ -1,0 +1,1 @@
+"""pipeflow-launch: a plan and a host list to an mpirun command."""

@@ -1,0 +1,1 @@
+"""Partitioner: profiling, planning and simulation of pipeline stages."""

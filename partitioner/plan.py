@@ -1,0 +1,163 @@
+"""plan.json (`pipeflow.plan/1`): Plan dataclasses, load/save/validate (DESIGN.md)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PLAN_FORMAT = "pipeflow.plan/1"
+
+
+class PlanError(ValueError):
+    """A plan.json that is malformed or does not fit the model / world; the message names the field."""
+
+
+@dataclass
+class StagePlan:
+    layers: tuple[int, int]  # half-open [start, end) over profile layer indices
+    replicas: int
+    ranks: list[int]
+
+    def __post_init__(self) -> None:
+        self.layers = (int(self.layers[0]), int(self.layers[1]))
+        if self.layers[0] >= self.layers[1]:
+            raise PlanError(f"stage layers {list(self.layers)} are empty: expected [start, end) with start < end")
+        if self.replicas != len(self.ranks):
+            raise PlanError(f"stage with layers {list(self.layers)} has replicas={self.replicas} "
+                            f"but {len(self.ranks)} ranks {self.ranks}")
+
+
+@dataclass
+class Plan:
+    schedule: str
+    microbatches: int
+    workers: int
+    stages: list[StagePlan]
+    predicted: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # anything else the planner records
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def replicas(self) -> list[int]:
+        return [s.replicas for s in self.stages]
+
+    @property
+    def num_layers(self) -> int:
+        return self.stages[-1].layers[1] if self.stages else 0
+
+    def stage_of_rank(self, rank: int) -> tuple[int, int]:
+        """(stage, replica) of a rank."""
+        for s, st in enumerate(self.stages):
+            if rank in st.ranks:
+                return s, st.ranks.index(rank)
+        raise PlanError(f"rank {rank} is in no stage of the plan (workers={self.workers})")
+
+    def validate(self, *, num_layers: int | None = None, world_size: int | None = None) -> None:
+        if self.microbatches < 1:
+            raise PlanError(f"plan.microbatches must be >= 1, found {self.microbatches}")
+        if not self.stages:
+            raise PlanError("plan.stages is empty: expected at least one stage")
+        start = 0
+        for s, st in enumerate(self.stages):
+            if st.layers[0] != start:
+                raise PlanError(f"plan.stages[{s}].layers starts at {st.layers[0]}, expected {start}: "
+                                "stages must cover the layers in order without gaps or overlaps")
+            start = st.layers[1]
+        ranks = [r for st in self.stages for r in st.ranks]
+        dup = sorted({r for r in ranks if ranks.count(r) > 1})
+        if dup:
+            raise PlanError(f"plan lists ranks {dup} more than once; every rank must appear exactly once")
+        if sorted(ranks) != list(range(self.workers)):
+            raise PlanError(f"plan.workers={self.workers} but the stages' ranks are {sorted(ranks)}; "
+                            f"expected each of 0..{self.workers - 1} exactly once")
+        if num_layers is not None and start != num_layers:
+            raise PlanError(f"plan covers layers [0, {start}) but the model has {num_layers} layers")
+        if world_size is not None and world_size != self.workers:
+            raise PlanError(f"plan is for {self.workers} workers but {world_size} processes were started; "
+                            f"run mpirun -np {self.workers}")
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"format": PLAN_FORMAT, "schedule": self.schedule, "microbatches": self.microbatches,
+                             "workers": self.workers,
+                             "stages": [{**asdict(st), "layers": list(st.layers)} for st in self.stages],
+                             "predicted": self.predicted}
+        d.update(self.extra)
+        return d
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def from_json(cls, d: Any, *, source: str = "plan") -> Plan:
+        if not isinstance(d, dict):
+            raise PlanError(f"{source}: expected a JSON object, found {type(d).__name__}")
+        if d.get("format") != PLAN_FORMAT:
+            raise PlanError(f"{source}: format is {d.get('format')!r}, expected {PLAN_FORMAT!r}")
+        for key, typ in (("schedule", str), ("microbatches", int), ("workers", int), ("stages", list)):
+            if key not in d:
+                raise PlanError(f"{source}: missing field {key!r}")
+            if not isinstance(d[key], typ) or isinstance(d[key], bool):
+                raise PlanError(f"{source}: field {key!r} must be {typ.__name__}, found {d[key]!r}")
+        stages = []
+        for s, st in enumerate(d["stages"]):
+            where = f"{source}: stages[{s}]"
+            if not isinstance(st, dict):
+                raise PlanError(f"{where}: expected an object, found {st!r}")
+            layers, replicas, ranks = st.get("layers"), st.get("replicas", 1), st.get("ranks")
+            if (not isinstance(layers, list) or len(layers) != 2
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers)):
+                raise PlanError(f"{where}.layers must be [start, end) of two non-negative integers, found {layers!r}")
+            if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+                raise PlanError(f"{where}.replicas must be a positive integer, found {replicas!r}")
+            if (not isinstance(ranks, list)
+                    or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)):
+                raise PlanError(f"{where}.ranks must be a list of non-negative integers, found {ranks!r}")
+            try:
+                stages.append(StagePlan((layers[0], layers[1]), replicas, list(ranks)))
+            except PlanError as e:
+                raise PlanError(f"{where}: {e}") from None
+        predicted = d.get("predicted", {})
+        if not isinstance(predicted, dict):
+            raise PlanError(f"{source}: field 'predicted' must be an object, found {predicted!r}")
+        known = {"format", "schedule", "microbatches", "workers", "stages", "predicted"}
+        extra = {k: v for k, v in d.items() if k not in known}
+        try:
+            return cls(d["schedule"], d["microbatches"], d["workers"], stages, predicted, extra)
+        except PlanError as e:
+            raise PlanError(f"{source}: {e}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise PlanError(f"cannot read plan {path}: {e.strerror}") from None
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        return cls.from_json(d, source=str(path))
+
+
+def even_plan(num_layers: int, stages: int, *, schedule: str, microbatches: int,
+              layer_counts: list[int] | None = None) -> Plan:
+    """A straight plan of `stages` single-replica stages, layers split as evenly as possible
+    (earlier stages take the remainder) or by explicit `layer_counts`."""
+    if stages < 1:
+        raise PlanError(f"need at least one stage, found {stages}")
+    if layer_counts is None:
+        if stages > num_layers:
+            raise PlanError(f"cannot split {num_layers} layers into {stages} stages: "
+                            f"use at most {num_layers} processes or a model with more layers")
+        q, r = divmod(num_layers, stages)
+        layer_counts = [q + (1 if s < r else 0) for s in range(stages)]
+    if len(layer_counts) != stages or sum(layer_counts) != num_layers or min(layer_counts) < 1:
+        raise PlanError(f"layer counts {layer_counts} must be {stages} positive numbers summing to {num_layers}")
+    out, start = [], 0
+    for s, n in enumerate(layer_counts):
+        out.append(StagePlan((start, start + n), 1, [s]))
+        start += n
+    return Plan(schedule, microbatches, stages, out)
