@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 COMPUTE = ("F", "B", "W")
 KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "STEP")

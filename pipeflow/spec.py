@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,7 +67,7 @@ def resolve_builder(model: str) -> Callable[..., ModelSpec]:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ModelError(f"module {module_name!r} has no callable {attr!r} (from --model {model!r})")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def build_model(model: str, model_args: dict[str, Any] | None = None, *, seed: int = 0) -> ModelSpec:
