@@ -1,0 +1,1 @@
+"""Built-in models as layer lists: `gpt` and `mlp`."""

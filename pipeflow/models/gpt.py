@@ -1,0 +1,78 @@
+"""A GPT as a layer list: embedding, transformer blocks, head (nanoGPT's shape, no dropout)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeflow.data.text import StdlibText, SyntheticTokens
+from pipeflow.spec import ModelSpec
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, d_model: int, seq_len: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        nn.init.normal_(self.tok.weight, std=0.02)
+        nn.init.normal_(self.pos.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        return self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        if d_model % heads:
+            raise ValueError(f"d_model {d_model} must be divisible by heads {heads}")
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.out = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class Head(nn.Module):
+    def __init__(self, d_model: int, vocab: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d_model)
+        self.lm = nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm(self.ln(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def build(layers: int = 4, d_model: int = 128, heads: int = 4, seq_len: int = 64, vocab: int = 256,
+          dataset: str = "stdlib", dataset_size: int = 4096) -> ModelSpec:
+    """`layers` transformer blocks, so len(spec.layers) == layers + 2. The stdlib dataset is byte-level
+    (tokens < 256 <= vocab); `dataset="synthetic"` draws random tokens below `vocab`."""
+    if layers < 1:
+        raise ValueError(f"gpt needs layers >= 1, found {layers}")
+    if dataset == "stdlib":
+        if vocab < 256:
+            raise ValueError(f"the stdlib byte dataset needs vocab >= 256, found {vocab}")
+        data: torch.utils.data.Dataset = StdlibText(seq_len)
+    elif dataset == "synthetic":
+        data = SyntheticTokens(seq_len, vocab, size=dataset_size)
+    else:
+        raise ValueError(f"unknown gpt dataset {dataset!r}: expected 'stdlib' or 'synthetic'")
+    mods: list[nn.Module] = [Embedding(vocab, d_model, seq_len)]
+    mods += [Block(d_model, heads) for _ in range(layers)]
+    mods.append(Head(d_model, vocab))
+    return ModelSpec(layers=mods, loss_fn=lm_loss, dataset=data, tokens_per_sample=seq_len)

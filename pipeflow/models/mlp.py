@@ -1,0 +1,54 @@
+"""An MLP whose layers pass a tuple (hidden, residual) along: the tuple case of the layer contract."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from pipeflow.spec import ModelSpec
+
+
+class InputLayer(nn.Module):
+    def __init__(self, d_in: int, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_in, hidden)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        return torch.relu(h), h
+
+
+class HiddenLayer(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+
+    def forward(self, xs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        h, r = xs
+        return torch.relu(self.fc(h)), r + 0.5 * h
+
+
+class OutputLayer(nn.Module):
+    def __init__(self, hidden: int, classes: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, classes)
+
+    def forward(self, xs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h, r = xs
+        return self.fc(h + r)
+
+
+def build(layers: int = 6, d_in: int = 32, hidden: int = 64, classes: int = 10, samples: int = 2048,
+          data_seed: int = 7) -> ModelSpec:
+    """`layers` modules in all (input, layers-2 hidden, output); data from a fixed random teacher."""
+    if layers < 2:
+        raise ValueError(f"mlp needs layers >= 2 (input and output), found {layers}")
+    g = torch.Generator().manual_seed(data_seed)
+    x = torch.randn(samples, d_in, generator=g)
+    teacher = torch.randn(d_in, classes, generator=g)
+    y = (x @ teacher).argmax(dim=1)
+    mods: list[nn.Module] = [InputLayer(d_in, hidden)]
+    mods += [HiddenLayer(hidden) for _ in range(layers - 2)]
+    mods.append(OutputLayer(hidden, classes))
+    return ModelSpec(layers=mods, loss_fn=F.cross_entropy, dataset=TensorDataset(x, y))
