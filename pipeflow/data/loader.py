@@ -34,9 +34,25 @@ class MicrobatchLoader:
         self.order = (torch.randperm(n, generator=torch.Generator().manual_seed(seed)) if shuffle
                       else torch.arange(n))
 
+    def indices(self, j: int) -> list[int]:
+        n = len(self.order)
+        return [int(self.order[(j * self.b + k) % n]) for k in range(self.b)]
+
+    def signature(self, j: int) -> tuple[tuple[int, ...], ...]:
+        """The input shapes of microbatch j, from one sample: every rank can compute it without the
+        data travelling, so shapes between stages need to be exchanged only when it changes."""
+        x = self.dataset[self.indices(j)[0]][0]
+        return tuple((self.b, *t.shape) for t in _tensors(x))
+
     def microbatch(self, j: int) -> tuple[Any, Any]:
         """(input, target) of the j-th microbatch since the start of training."""
-        n = len(self.order)
-        idx = [int(self.order[(j * self.b + k) % n]) for k in range(self.b)]
-        inputs, targets = collate([self.dataset[i] for i in idx])
+        inputs, targets = collate([self.dataset[i] for i in self.indices(j)])
         return inputs, targets
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _tensors(v)]
+    return [torch.as_tensor(x)]

@@ -1,0 +1,157 @@
+"""`pipeflow-launch`: builds the mpirun command for a plan, then prints (--dry-run) or runs it.
+
+    pipeflow-launch --plan plan.json [--hosts h1:4,h2:4] [--mpirun PATH] [--mpi auto|mpich|openmpi] \
+        [--env NAME=VALUE ...] [--dry-run] -- <pipeflow-train args>
+
+runs `mpirun -np <plan.workers> ... pipeflow-train --plan plan.json <pipeflow-train args>`.
+Hidden option `--program 'CMD ARGS'` (tests, debugging) replaces `pipeflow-train` by CMD ARGS;
+`--plan PATH` and the train args are still appended.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import NoReturn
+
+from launch.command import FLAVOURS, Flavour, LaunchError, mpirun_command, rank_env, train_command
+from launch.hosts import HostsError, parse_hosts
+from partitioner.plan import Plan, PlanError
+
+PROG = "pipeflow-launch"
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, no usage block
+        if "unrecognized arguments" in message:
+            message += " (put pipeflow-train's arguments after --)"
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Run pipeflow-train under mpirun with one process per worker of a plan.",
+                usage=f"{PROG} --plan PLAN [options] -- <pipeflow-train args>")
+    p.add_argument("--plan", required=True, help="plan.json from pipeflow-plan; -np is its workers")
+    p.add_argument("--hosts", help="NAME[:SLOTS],... e.g. h1:4,h2:4; ranks fill hosts in order (default: this machine)")
+    p.add_argument("--mpirun", help="mpirun to use (default: the one next to this Python, else on PATH)")
+    p.add_argument("--mpi", default="auto", choices=("auto", *FLAVOURS),
+                   help="MPI flavour (default: auto, from `mpirun --version`)")
+    p.add_argument("--env", action="extend", nargs="+", default=[], metavar="NAME=VALUE",
+                   help="set on every rank (repeatable)")
+    p.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    p.add_argument("--program", help=argparse.SUPPRESS)
+    return p
+
+
+def find_mpirun(given: str | None) -> str:
+    if given is not None:
+        found = shutil.which(given)
+        if found is None:
+            raise LaunchError(f"--mpirun {given}: not found or not executable; expected a path to mpirun")
+        return given if os.sep in given else found
+    # The mpirun next to this interpreter matches the MPI mpi4py was installed with (pip install mpich).
+    local = Path(sysconfig.get_path("scripts")) / "mpirun"
+    if os.access(local, os.X_OK):
+        return str(local)
+    found = shutil.which("mpirun")
+    if found is None:
+        raise LaunchError(f"mpirun not found in {local.parent} or on PATH: install MPI (pip install mpich) "
+                          "or pass --mpirun PATH")
+    return found
+
+
+def detect_flavour(mpirun: str) -> Flavour:
+    """From `mpirun --version`: MPICH's Hydra says HYDRA/MPICH (Intel MPI is Hydra too), Open MPI says so."""
+    try:
+        out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30)
+        text = out.stdout + out.stderr
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise LaunchError(f"cannot run `{mpirun} --version` to tell the MPI flavour ({e}): "
+                          "pass --mpi mpich or --mpi openmpi") from None
+    if "Open MPI" in text or "OpenRTE" in text:
+        return "openmpi"
+    if "HYDRA" in text or "MPICH" in text or "Intel(R) MPI" in text:
+        return "mpich"
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    raise LaunchError(f"cannot tell the MPI flavour of {mpirun}: expected 'HYDRA'/'MPICH' or 'Open MPI'/'OpenRTE' "
+                      f"in `mpirun --version`, found {first!r}; pass --mpi mpich or --mpi openmpi")
+
+
+def parse_env(items: Sequence[str]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not _ENV_NAME.fullmatch(name):
+            raise LaunchError(f"--env {item!r}: expected NAME=VALUE with NAME a variable name")
+        env[name] = value
+    return env
+
+
+def train_program() -> list[str]:
+    """`pipeflow-train` next to this interpreter if installed, else this interpreter with -m pipeflow.train."""
+    script = Path(sysconfig.get_path("scripts")) / "pipeflow-train"
+    return [str(script)] if os.access(script, os.X_OK) else [sys.executable, "-m", "pipeflow.train"]
+
+
+def build(args: argparse.Namespace, train_args: Sequence[str]) -> list[str]:
+    plan = Plan.load(args.plan)
+    hosts = parse_hosts(args.hosts) if args.hosts is not None else None
+    env = parse_env(args.env)
+    program = shlex.split(args.program) if args.program is not None else train_program()
+    # Absolute, so ranks started elsewhere (other hosts, another -wdir) find the same file.
+    train = train_command(program, os.path.abspath(args.plan), train_args)
+    mpirun = find_mpirun(args.mpirun)
+    flavour: Flavour = detect_flavour(mpirun) if args.mpi == "auto" else args.mpi
+    return mpirun_command(mpirun=mpirun, flavour=flavour, workers=plan.workers, hosts=hosts,
+                          env=rank_env(environ=os.environ, extra=env), program=train,
+                          as_root=hasattr(os, "geteuid") and os.geteuid() == 0, cpu_count=os.cpu_count())
+
+
+def run(argv: Sequence[str]) -> int:
+    """Run argv, forwarding SIGINT/SIGTERM to it; its exit code (128+N if signal N killed it)."""
+    try:
+        proc = subprocess.Popen(list(argv))
+    except OSError as e:
+        print(f"{PROG}: error: cannot run {argv[0]}: {e.strerror}", file=sys.stderr)
+        return 2
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        proc.send_signal(signum)  # mpirun passes it to the ranks and exits
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        rc = proc.wait()
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    return 128 - rc if rc < 0 else rc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, train_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    args = build_parser().parse_args(own)
+    try:
+        cmd = build(args, train_args)
+    except (PlanError, HostsError, LaunchError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(shlex.join(cmd))
+        return 0
+    print(f"{PROG}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    return run(cmd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""MPI bootstrap -> torch.distributed, and the overlapped point-to-point channels between stages."""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+META_TAG = 71  # MPI tag of the shape/dtype messages; MPI keeps messages of one (source, tag) in order
+
+
+@dataclass
+class World:
+    """This process's place in the job: ranks from MPI, tensors through torch.distributed."""
+
+    rank: int
+    size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    mpi: Any = field(repr=False)  # mpi4py.MPI.Comm (COMM_WORLD)
+
+    def barrier(self) -> None:
+        self.mpi.Barrier()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def init_world(*, device: str = "auto", timeout_s: float = 300.0) -> World:
+    """Rank, size and local rank from MPI; rank 0 picks the rendezvous address and broadcasts it.
+
+    CUDA ranks use NCCL on GPU `local_rank`; CPU ranks use gloo. A world of one needs no process group.
+    """
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank, local_size = local.Get_rank(), local.Get_size()
+    local.Free()
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was asked for but torch.cuda.is_available() is False")
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"{local_size} ranks on this host but only {torch.cuda.device_count()} GPUs: "
+                               "NCCL needs one GPU per rank (use fewer ranks per host, or --device cpu)")
+        torch.cuda.set_device(local_rank)
+        dev, backend = torch.device("cuda", local_rank), "nccl"
+    elif device == "cpu":
+        dev, backend = torch.device("cpu"), "gloo"
+    else:
+        raise ValueError(f"--device must be auto, cpu or cuda, found {device!r}")
+    world = World(rank, size, local_rank, dev, backend, comm)
+    if size == 1 or dist.is_initialized():
+        return world
+    addr = None
+    if rank == 0:
+        host = os.environ.get("MASTER_ADDR")
+        if host is None:
+            host = "127.0.0.1" if local_size == size else socket.gethostbyname(socket.gethostname())
+        addr = (host, int(os.environ.get("MASTER_PORT", 0)) or _free_port())
+    host, port = comm.bcast(addr, root=0)
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl":
+        kwargs["device_id"] = dev
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=timeout_s), **kwargs)
+    log.debug("rank %d/%d: %s process group at %s:%d", rank, size, backend, host, port)
+    return world
+
+
+def new_groups(world: World, rank_sets: list[list[int]]) -> dict[tuple[int, ...], Any]:
+    """One process group per rank set, created in the same order on every rank (torch requires it)."""
+    groups: dict[tuple[int, ...], Any] = {}
+    for ranks in rank_sets:
+        key = tuple(ranks)
+        if key in groups or world.size == 1:
+            continue
+        groups[key] = dist.new_group(list(ranks))
+    return groups
+
+
+TensorMeta = tuple[tuple[int, ...], torch.dtype, bool]  # shape, dtype, requires_grad
+
+
+def flatten(x: Any) -> list[torch.Tensor]:
+    """A layer's output (tensor or nested tuple/list of tensors) as a flat list."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in flatten(item)]
+    raise TypeError(f"stage outputs must be tensors or tuples of tensors, found {type(x).__name__}")
+
+
+class P2P:
+    """Sends and receives between neighbouring stages' ranks.
+
+    Each (sender, receiver, direction) pair has its own process group: NCCL runs a communicator's
+    operations in issue order on one stream, so activations and gradients crossing the same pair in
+    opposite directions on one communicator would deadlock (each side's receive queued before its send).
+    Shapes travel once per (channel, input signature) over MPI and are cached.
+    """
+
+    def __init__(self, world: World, groups: dict[tuple[int, int, str], Any]) -> None:
+        self.world = world
+        self.groups = groups
+        self.meta_cache: dict[tuple[int, int, Any], list[TensorMeta]] = {}
+        self.pending_sends: list[Any] = []
+
+    def _group(self, src: int, dst: int, direction: str) -> Any:
+        try:
+            return self.groups[(src, dst, direction)]
+        except KeyError:
+            raise RuntimeError(f"no channel {src}->{dst} ({direction}) was set up: the plan and the schedule "
+                               "disagree about which ranks talk") from None
+
+    def send(self, tensors: list[torch.Tensor], dst: int, direction: str, signature: Any = None) -> None:
+        """Non-blocking send; with a signature, first send the shapes if this channel has not seen it."""
+        if signature is not None:
+            key = (self.world.rank, dst, signature)
+            meta = [(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors]
+            cached = self.meta_cache.get(key)
+            if cached is None:
+                self.world.mpi.send(pickle.dumps(meta), dest=dst, tag=META_TAG)
+                self.meta_cache[key] = meta
+            elif cached != meta:
+                raise RuntimeError(
+                    f"rank {self.world.rank}: outputs sent to rank {dst} changed from {cached} to {meta} for "
+                    f"inputs of the same shape {signature}; the tensors between stages must be a function of "
+                    "the input shapes")
+        group = self._group(self.world.rank, dst, direction)
+        for t in tensors:
+            self.pending_sends.append(dist.isend(t.detach().contiguous(), dst, group=group))
+
+    def recv(self, src: int, direction: str, *, signature: Any = None,
+             meta: list[TensorMeta] | None = None) -> tuple[list[torch.Tensor], list[Any]]:
+        """Post receives (non-blocking); returns the buffers and the works to wait on before use."""
+        if meta is None:
+            key = (src, self.world.rank, signature)
+            if key not in self.meta_cache:
+                self.meta_cache[key] = pickle.loads(self.world.mpi.recv(source=src, tag=META_TAG))
+            meta = self.meta_cache[key]
+        group = self._group(src, self.world.rank, direction)
+        bufs, works = [], []
+        for shape, dtype, _ in meta:
+            buf = torch.empty(shape, dtype=dtype, device=self.world.device)
+            works.append(dist.irecv(buf, src, group=group))
+            bufs.append(buf)
+        return bufs, works
+
+    def expect_meta(self, src: int, signature: Any) -> list[TensorMeta]:
+        key = (src, self.world.rank, signature)
+        return self.meta_cache[key]
+
+    def wait_sends(self, keep: int = 0) -> None:
+        """Complete all but the newest `keep` sends (their buffers may then be freed)."""
+        n = len(self.pending_sends) - keep
+        for w in self.pending_sends[:max(n, 0)]:
+            w.wait()
+        del self.pending_sends[:max(n, 0)]

@@ -1,0 +1,240 @@
+"""Executes one rank's action list: compute, overlapped sends/receives, gradient reduction, steps."""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from partitioner.plan import Plan
+from pipeflow.comm import P2P, World, new_groups
+from pipeflow.data.loader import MicrobatchLoader
+from pipeflow.reduce import GradReducer
+from pipeflow.schedule import FLUSH_SCHEDULES, Action, Schedule, generate
+from pipeflow.spec import ModelSpec
+from pipeflow.stage import Stage, mark_requires_grad
+
+log = logging.getLogger(__name__)
+
+
+class Timer:
+    """Measures spans of the engine's work; the monitor subclasses it. The default measures nothing."""
+
+    @contextlib.contextmanager
+    def span(self, kind: str, mb: int | None = None) -> Iterator[None]:
+        yield
+
+
+class WeightPolicy:
+    """Which weights a microbatch's forward and backward use. Flush schedules (gpipe, 1f1b) use the
+    current weights throughout; asynchronous schedules (stash.py) swap versions around each action."""
+
+    def before_forward(self, mb: int) -> None: ...
+    def before_backward(self, mb: int) -> None: ...
+    def after_backward(self, mb: int) -> None: ...
+    def after_step(self) -> None: ...
+
+
+class Engine:
+    def __init__(self, world: World, plan: Plan, spec: ModelSpec, *, schedule: str,
+                 optimizer_factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+                 loader: MicrobatchLoader, dtype: torch.dtype = torch.float32, total_steps: int = 1,
+                 timer: Timer | None = None) -> None:
+        self.world, self.plan, self.spec, self.loader = world, plan, spec, loader
+        self.schedule_name = schedule
+        self.m = plan.microbatches
+        self.total_steps = total_steps
+        self.timer = timer or Timer()
+        self.s, self.r = plan.stage_of_rank(world.rank)
+        self.S = len(plan.stages)
+        st = plan.stages[self.s]
+        self.stage = Stage(spec.layers[st.layers[0]:st.layers[1]], start=st.layers[0], first=self.s == 0,
+                           last=self.s == self.S - 1, loss_fn=spec.loss_fn, device=world.device, dtype=dtype)
+        self.optimizer = optimizer_factory(self.stage.parameters())
+        self.flush = schedule in FLUSH_SCHEDULES
+        # Flush schedules repeat one step's list; asynchronous ones run all microbatches as one list.
+        mbs = self.m if self.flush else self.m * total_steps
+        self.sched: Schedule = generate(schedule, self.S, mbs, plan.replicas, minibatch=self.m)
+        self.worker = self.sched.worker(self.s, self.r)
+        self.actions: list[Action] = self.sched.actions[self.worker]
+        self.p2p = P2P(world, self._make_channels())
+        self.reducer: GradReducer | None = None
+        if st.replicas > 1:
+            group = self.replica_groups[tuple(st.ranks)]
+            self.reducer = GradReducer(self.stage.parameters(), group)
+        self.policy = WeightPolicy()
+        self.losses: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ set-up
+
+    def rank_of(self, worker: int) -> int:
+        s, r = self.sched.workers[worker]
+        return self.plan.stages[s].ranks[r]
+
+    def _make_channels(self) -> dict[tuple[int, int, str], Any]:
+        """Groups for every neighbouring pair (both directions) and every replicated stage, created in
+        the same order on all ranks."""
+        pairs: list[tuple[int, int, str]] = []
+        for s in range(self.S - 1):
+            for a in self.plan.stages[s].ranks:
+                for b in self.plan.stages[s + 1].ranks:
+                    pairs += [(a, b, "F"), (b, a, "B")]
+        sets = [sorted((a, b)) for a, b, _ in pairs]
+        # Two groups per pair: one per direction (see comm.P2P), so create each rank set twice.
+        groups: dict[tuple[int, int, str], Any] = {}
+        for (a, b, d), ranks in zip(pairs, sets):
+            groups[(a, b, d)] = dist.new_group(ranks) if self.world.size > 1 else None
+        replica_sets = [st.ranks for st in self.plan.stages if st.replicas > 1]
+        self.replica_groups = new_groups(self.world, replica_sets)
+        last = self.plan.stages[-1]
+        self.loss_group = self.replica_groups.get(tuple(last.ranks)) if last.replicas > 1 else None
+        return groups
+
+    # ------------------------------------------------------------------ execution
+
+    def global_mb(self, step: int, i: int) -> int:
+        return step * self.m + i if self.flush else i
+
+    def run(self, actions: list[Action], step: int = 0, on_step: Callable[[int], None] | None = None) -> None:
+        """Execute `actions`. For flush schedules `step` places microbatch i at global index step*m+i;
+        `on_step(k)` is called after the k-th STEP of an asynchronous list."""
+        recv_f: dict[int, tuple[list[torch.Tensor], list[Any]]] = {}
+        recv_b: dict[int, tuple[list[torch.Tensor], list[Any]] | None] = {}
+        outputs: dict[int, list[torch.Tensor]] = {}
+        in_grads: dict[int, list[torch.Tensor]] = {}
+        last_b = {a.microbatch for a in actions if a.kind == "B"}
+        steps_done = 0
+        backward_seen = 0
+        bs_per_step = self._backwards_per_step(actions)
+        for a in actions:
+            i = a.microbatch
+            if a.kind == "RECV_F":
+                assert i is not None
+                j = self.global_mb(step, i)
+                recv_f[i] = self.p2p.recv(self.rank_of(self.sched.peer(self.worker, a)), "F",
+                                          signature=self.loader.signature(j))
+            elif a.kind == "RECV_B":
+                assert i is not None
+                # The gradient has the shapes of what we sent; if F(i) has not run yet, post at B(i).
+                recv_b[i] = self._post_recv_b(a) if i in outputs else None
+            elif a.kind == "F":
+                assert i is not None
+                self._forward(step, i, recv_f, outputs)
+            elif a.kind == "SEND_F":
+                assert i is not None
+                with self.timer.span("SEND_F", i):
+                    self.p2p.send(outputs[i], self.rank_of(self.sched.peer(self.worker, a)), "F",
+                                  signature=self.loader.signature(self.global_mb(step, i)))
+            elif a.kind == "B":
+                assert i is not None
+                posted = recv_b.pop(i, None)
+                if posted is None and not self.stage.last:
+                    posted = self._post_recv_b(Action("RECV_B", i))
+                backward_seen += 1
+                if self.reducer is not None and self.flush and backward_seen == len(last_b):
+                    self.reducer.arm()
+                elif self.reducer is not None and not self.flush and backward_seen % bs_per_step == 0:
+                    self.reducer.arm()
+                in_grads[i] = self._backward(i, posted)
+                outputs.pop(i, None)
+            elif a.kind == "SEND_B":
+                assert i is not None
+                with self.timer.span("SEND_B", i):
+                    self.p2p.send(in_grads.pop(i), self.rank_of(self.sched.peer(self.worker, a)), "B")
+            elif a.kind == "STEP":
+                self._step()
+                if on_step is not None:
+                    on_step(steps_done)
+                steps_done += 1
+                if not self.flush:
+                    self.p2p.wait_sends(keep=4 * self.S)
+            else:
+                raise RuntimeError(f"rank {self.world.rank}: the engine cannot run action {a}")
+        self.p2p.wait_sends()
+
+    def _backwards_per_step(self, actions: list[Action]) -> int:
+        nb = sum(a.kind == "B" for a in actions)
+        ns = sum(a.kind == "STEP" for a in actions)
+        return max(1, nb // max(ns, 1))
+
+    def _post_recv_b(self, a: Action) -> tuple[list[torch.Tensor], list[Any]]:
+        assert a.microbatch is not None
+        saved = self.stage.saved[a.microbatch].outputs
+        meta = [(tuple(t.shape), t.dtype, False) for t in saved]
+        return self.p2p.recv(self.rank_of(self.sched.peer(self.worker, a)), "B", meta=meta)
+
+    def _forward(self, step: int, i: int, recv_f: dict[int, tuple[list[torch.Tensor], list[Any]]],
+                 outputs: dict[int, list[torch.Tensor]]) -> None:
+        j = self.global_mb(step, i)
+        target = None
+        if self.stage.first:
+            inputs: Any = self.loader.microbatch(j)[0]
+        else:
+            bufs, works = recv_f.pop(i)
+            with self.timer.span("WAIT_F", i):
+                for w in works:
+                    w.wait()
+            meta = self.p2p.expect_meta(self.rank_of(self.sched.peer(self.worker, Action("RECV_F", i))),
+                                        self.loader.signature(j))
+            inputs = mark_requires_grad(bufs, [m[2] for m in meta])
+        if self.stage.last:
+            target = self.loader.microbatch(j)[1]
+        self.policy.before_forward(i)
+        scale = 1.0 / self.m if self.schedule_name != "async" else 1.0
+        with self.timer.span("F", i):
+            outs = self.stage.forward(i, inputs, target, loss_scale=scale)
+        if self.stage.last:
+            self.losses.append(outs[0])
+        outputs[i] = outs
+
+    def _backward(self, i: int, posted: tuple[list[torch.Tensor], list[Any]] | None) -> list[torch.Tensor]:
+        grads = None
+        if posted is not None:
+            grads, works = posted
+            with self.timer.span("WAIT_B", i):
+                for w in works:
+                    w.wait()
+        self.policy.before_backward(i)
+        with self.timer.span("B", i):
+            out = self.stage.backward(i, grads)
+        self.policy.after_backward(i)
+        return out
+
+    def _step(self) -> None:
+        with self.timer.span("STEP"):
+            if self.reducer is not None:
+                self.reducer.finish()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.policy.after_step()
+
+    def train_step(self, step: int) -> None:
+        """One minibatch of a flush schedule: its m microbatches, then the optimizer step."""
+        self.run(self.actions, step)
+
+    def take_loss(self, count: int) -> float | None:
+        """Mean loss of the `count` microbatches run since the last call, summed over the last stage's
+        replicas: the value on the rank that owns the loss (last stage, replica 0), None elsewhere.
+        Reads the device, so call it only when the value is reported."""
+        if not self.stage.last:
+            return None
+        local = torch.stack(self.losses).sum() if self.losses else torch.zeros((), device=self.world.device)
+        self.losses.clear()
+        if self.loss_group is not None:
+            dist.all_reduce(local, group=self.loss_group)
+        return float(local) / count if self.r == 0 else None
+
+    @property
+    def owns_loss(self) -> bool:
+        return self.stage.last and self.r == 0
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's weights under the model-wide keys of nn.Sequential(*spec.layers) ("3.weight")."""
+        out = {}
+        for k, v in self.stage.module.state_dict().items():
+            idx, _, rest = k.partition(".")
+            out[f"{int(idx) + self.stage.start}.{rest}"] = v.detach().cpu()
+        return out
