@@ -12,14 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from launch.cli import train_program
+from launch.command import PASSTHROUGH_ENV, LaunchError, mpirun_command, rank_env, train_command
+from launch.hosts import Host, HostsError, check_slots, parse_hosts
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # plain `pytest` from an uninstalled checkout
-    sys.path.insert(0, str(ROOT))
-
-from launch.cli import train_program  # noqa: E402
-from launch.command import PASSTHROUGH_ENV, LaunchError, mpirun_command, rank_env, train_command  # noqa: E402
-from launch.hosts import Host, HostsError, check_slots, parse_hosts  # noqa: E402
-
 MPIRUN = Path(sys.executable).parent / "mpirun"  # MPICH from PyPI, next to the interpreter
 needs_mpirun = pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}")
 TIMEOUT = 60
