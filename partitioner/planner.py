@@ -1,0 +1,326 @@
+"""PipeDream's partitioning DP (SOSP'19 §3.1), hierarchical and vectorized with numpy; pure (no torch).
+
+Cost model (time per minibatch of m microbatches, ms). A stage [i, j) on r units of level k, linked at
+bandwidth bw_k, costs
+
+    stage(i, j, r) = U(i, j) / r + n_ar(r) * AR(P(i, j), r, bw_k),    AR(P, r, bw) = 2 (r-1)/r * P / bw
+
+where U = m * sum(forward + backward) at level 0 and, at level k > 0, U = the best time of [i, j) on one
+whole group of level k-1 (PipeDream's hierarchical optimizer: the group is a black box, replicated r
+times). n_ar = m / r all-reduces per minibatch for `async` (a step per microbatch), 1 otherwise.
+A boundary after layer k-1 between stages of level k, the upstream one on r units, costs
+m * 2 * output_bytes[k-1] / (bw_k * r) (activation forward, gradient backward). A plan's time is the
+maximum over stages and boundaries (the pipeline's steady-state bottleneck). Every worker is used.
+
+Memory is checked on level-0 stages: parameters * (2 + optimizer states + weight versions) plus the
+activations of the microbatches in flight, ceil(D / r) for 1F1B-like schedules (D = workers from this
+stage on, schedule.warmup_forwards + 1), all local ones for gpipe. Inside a group of a multi-level
+topology D is bounded by (workers left in the group) + (all workers outside it): conservative.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from partitioner.topology import Topology
+
+SCHEDULES = ("gpipe", "1f1b", "async", "2bw")
+OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2}  # momentum; exp_avg + exp_avg_sq
+INF = float("inf")
+_CHUNK = 1 << 22  # elements per temporary array in the vectorized DP
+
+
+class PlanningError(ValueError):
+    """No plan satisfies the inputs; the message says which constraint and by how much."""
+
+
+@dataclass
+class LayerCosts:
+    """Per-layer columns of a profile (ms per microbatch, bytes)."""
+
+    forward_ms: np.ndarray
+    backward_ms: np.ndarray
+    output_bytes: np.ndarray
+    activation_bytes: np.ndarray
+    parameter_bytes: np.ndarray
+
+    @classmethod
+    def of(cls, forward_ms: Sequence[float], backward_ms: Sequence[float], output_bytes: Sequence[float],
+           activation_bytes: Sequence[float], parameter_bytes: Sequence[float]) -> LayerCosts:
+        cols = [np.asarray(c, dtype=np.float64) for c in
+                (forward_ms, backward_ms, output_bytes, activation_bytes, parameter_bytes)]
+        if len({len(c) for c in cols}) != 1 or len(cols[0]) == 0:
+            raise PlanningError(f"layer cost columns must be non-empty and of equal length, found "
+                                f"{[len(c) for c in cols]}")
+        return cls(*cols)
+
+    def __len__(self) -> int:
+        return len(self.forward_ms)
+
+
+@dataclass
+class CostModel:
+    """The inputs of the DP and its cost functions (broadcasting over numpy arrays)."""
+
+    layers: LayerCosts
+    topology: Topology
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    optimizer: str = "adam"
+    memory_per_worker: float | None = None
+    straight: bool = False
+    C: np.ndarray = field(init=False, repr=False)  # prefix sums: compute, parameters, activations
+    P: np.ndarray = field(init=False, repr=False)
+    A: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise PlanningError(f"--schedule must be one of {', '.join(SCHEDULES)}, found {self.schedule!r}")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise PlanningError(f"--optimizer must be one of {', '.join(OPTIMIZER_STATES)}, "
+                                f"found {self.optimizer!r}")
+        if self.microbatches < 1:
+            raise PlanningError(f"--microbatches must be >= 1, found {self.microbatches}")
+        zero = np.zeros(1)
+        lay = self.layers
+        self.C = np.concatenate([zero, np.cumsum(lay.forward_ms + lay.backward_ms)])
+        self.P = np.concatenate([zero, np.cumsum(lay.parameter_bytes)])
+        self.A = np.concatenate([zero, np.cumsum(lay.activation_bytes)])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def bw(self, level: int) -> float:
+        """Bandwidth of a level in bytes per ms."""
+        return self.topology.levels[level].bandwidth / 1e3
+
+    def allreduce_ms(self, p: np.ndarray | float, r: np.ndarray | float, level: int) -> np.ndarray:
+        """Ring all-reduce of p bytes over r units (Patarasuk & Yuan): 2 (r-1)/r * p / bw."""
+        return 2.0 * (np.asarray(r) - 1) / r * p / self.bw(level)
+
+    def stage_ms(self, unit_ms: np.ndarray | float, p: np.ndarray | float, r: np.ndarray | float,
+                 level: int) -> np.ndarray:
+        """U / r + n_ar * AR: r replicas share the m microbatches (PipeDream 1F1B-RR)."""
+        m = self.microbatches
+        n_ar = m / np.asarray(r, dtype=np.float64) if self.schedule == "async" else 1.0
+        return np.asarray(unit_ms) / r + n_ar * self.allreduce_ms(p, r, level)
+
+    def boundary_ms(self, k: np.ndarray | int, r: np.ndarray | float, level: int) -> np.ndarray:
+        """Output of layer k-1 forward and its gradient back, over the upstream stage's r links."""
+        return self.microbatches * 2.0 * self.layers.output_bytes[np.asarray(k) - 1] / (self.bw(level) * r)
+
+    def in_flight(self, downstream: np.ndarray | int, r: np.ndarray | int) -> np.ndarray:
+        """Microbatches whose activations a replica keeps (schedule.warmup_forwards + 1, or all for gpipe)."""
+        r = np.asarray(r)
+        local = -(-self.microbatches // r)
+        if self.schedule == "gpipe":
+            return local
+        fill = -(-np.asarray(downstream) // r)
+        return np.minimum(fill, local) if self.schedule == "1f1b" else fill
+
+    def memory_bytes(self, i: np.ndarray | int, j: np.ndarray | int, r: np.ndarray | int,
+                     downstream: np.ndarray | int) -> np.ndarray:
+        """Weights, gradients, optimizer state, stashed weight versions and in-flight activations."""
+        p = self.P[j] - self.P[i]
+        fl = self.in_flight(downstream, r)
+        versions = fl if self.schedule == "async" else (1 if self.schedule == "2bw" else 0)
+        return p * (2 + OPTIMIZER_STATES[self.optimizer] + versions) + fl * (self.A[j] - self.A[i])
+
+    def outside(self, level: int) -> int:
+        """Workers outside one level-`level` group that may sit downstream of it (bound for D)."""
+        return self.topology.workers - self.topology.unit_size(level + 1)
+
+    def unit_ms(self, level: int, i: int, j: np.ndarray, inner: np.ndarray | None) -> np.ndarray:
+        if level == 0:
+            return self.microbatches * (self.C[j] - self.C[i])
+        assert inner is not None
+        return inner[i, j]
+
+    def stage_row(self, level: int, i: int, ks: np.ndarray, w: int, inner: np.ndarray | None) -> np.ndarray:
+        """Cost of stages [i, k) for k in ks on r = 1..w units when the range has w units from i on;
+        inf where the memory limit is exceeded or --straight forbids replicas. Shape (w, len(ks))."""
+        rs = np.arange(1, w + 1, dtype=np.float64)[:, None]
+        out = self.stage_ms(self.unit_ms(level, i, ks, inner)[None, :], (self.P[ks] - self.P[i])[None, :], rs, level)
+        if self.straight:
+            out[1:] = INF
+        if level == 0 and self.memory_per_worker is not None:
+            d = w + (0 if len(self.topology.levels) == 1 else self.outside(0))
+            mem = self.memory_bytes(i, ks[None, :], rs.astype(np.int64), d)
+            out[mem > self.memory_per_worker] = INF
+        return out
+
+    def split_row(self, level: int, i: int, ks: np.ndarray, w: int, inner: np.ndarray | None) -> np.ndarray:
+        """As stage_row for a stage that is followed by another at this level: adds its output boundary."""
+        rs = np.arange(1, w + 1, dtype=np.float64)[:, None]
+        return np.maximum(self.stage_row(level, i, ks, w, inner), self.boundary_ms(ks[None, :], rs, level))
+
+
+@dataclass
+class Node:
+    """A plan of layers on one group of `level`: stages (start, end, units, child plan on one unit)."""
+
+    level: int
+    stages: list[tuple[int, int, int, Node | None]]
+
+
+@dataclass
+class LeafStage:
+    """A stage of the flattened plan: layers [start, end), its ranks, its replica factor per level, and the
+    level its input boundary crosses (None for the first stage)."""
+
+    start: int
+    end: int
+    ranks: list[int]
+    factors: list[int]
+    in_level: int | None
+
+
+@dataclass
+class Solution:
+    objective_ms: float
+    tree: Node
+    stages: list[LeafStage]
+
+
+def evaluate(model: CostModel, node: Node) -> float:
+    """The cost-model time of a plan tree, computed directly (the DP must agree with it)."""
+    levels = model.topology.levels
+    outside = 0 if len(levels) == 1 else model.outside(0)
+    total = sum(u for _, _, u, _ in node.stages)
+    worst, left = 0.0, total
+    for t, (a, b, u, child) in enumerate(node.stages):
+        unit = model.microbatches * (model.C[b] - model.C[a]) if node.level == 0 else evaluate(model, child)  # type: ignore[arg-type]
+        cost = float(model.stage_ms(unit, model.P[b] - model.P[a], u, node.level))
+        if model.straight and u > 1:
+            cost = INF
+        if node.level == 0 and model.memory_per_worker is not None:
+            if float(model.memory_bytes(a, b, u, left + outside)) > model.memory_per_worker:
+                cost = INF
+        if t < len(node.stages) - 1:
+            cost = max(cost, float(model.boundary_ms(b, u, node.level)))
+        worst = max(worst, cost)
+        left -= u
+    return worst
+
+
+class _Level:
+    """All-pairs table of one inner level: best[w, i, j] for layers [i, j) on exactly w of its units."""
+
+    def __init__(self, model: CostModel, level: int, inner: np.ndarray | None) -> None:
+        self.model, self.level, self.inner = model, level, inner
+        n, L = model.topology.levels[level].workers, model.num_layers
+        self.n = n
+        best = np.full((n + 1, L + 1, L + 1), INF)
+        for i in range(L - 1, -1, -1):
+            ks = np.arange(i + 1, L + 1)
+            for w in range(1, n + 1):
+                stage = model.stage_row(level, i, ks, w, inner)
+                best[w, i, i + 1:] = stage[w - 1]  # one stage on all w units
+                if w > 1 and i + 1 < L:
+                    left = model.split_row(level, i, ks[:-1], w, inner)[: w - 1]  # first stage on w' units
+                    rest = best[w - 1:0:-1, i + 1:L, :]  # rest on w - w' units
+                    best[w, i] = np.minimum(best[w, i], _minmax(left, rest))
+        self.best = best
+
+    def table(self) -> np.ndarray:
+        return self.best[self.n]
+
+    def trace(self, i: int, j: int, w: int) -> list[tuple[int, int, int]]:
+        """Stages (start, end, units) of the optimum, recomputing the candidates (max/min are exact)."""
+        model, target = self.model, self.best[w, i, j]
+        ks = np.arange(i + 1, j + 1)
+        if model.stage_row(self.level, i, ks, w, self.inner)[w - 1, -1] == target:
+            return [(i, j, w)]
+        left = model.split_row(self.level, i, ks[:-1], w, self.inner)
+        for w1 in range(1, w):
+            for t, k in enumerate(ks[:-1]):
+                if max(left[w1 - 1, t], self.best[w - w1, k, j]) == target:
+                    return [(i, int(k), w1), *self.trace(int(k), j, w - w1)]
+        raise AssertionError(f"DP trace failed at level {self.level}, [{i}, {j}) on {w}")
+
+
+def _minmax(left: np.ndarray, rest: np.ndarray) -> np.ndarray:
+    """min over (w', k) of max(left[w', k], rest[w', k, j]) for every j, in bounded chunks."""
+    out = np.full(rest.shape[2], INF)
+    per_k = rest.shape[0] * rest.shape[2]
+    step = max(1, _CHUNK // max(1, per_k))
+    for k0 in range(0, rest.shape[1], step):
+        block = np.maximum(rest[:, k0:k0 + step, :], left[:, k0:k0 + step, None])
+        np.minimum(out, block.min(axis=(0, 1)), out=out)
+    return out
+
+
+def solve(model: CostModel) -> Solution:
+    """Level by level (PipeDream's hierarchical optimizer): inner levels tabulate every layer range on one
+    group; the outermost level runs a suffix DP over (first layer, units left)."""
+    topo, L = model.topology, model.num_layers
+    levels: list[_Level] = []
+    inner: np.ndarray | None = None
+    for k in range(len(topo.levels) - 1):
+        levels.append(_Level(model, k, inner))
+        inner = levels[-1].table()
+    top = len(topo.levels) - 1
+    n = topo.levels[top].workers
+    best = np.full((n + 1, L + 1), INF)  # best[w, i]: layers [i, L) on w units
+    for i in range(L - 1, -1, -1):
+        ks = np.arange(i + 1, L + 1)
+        for w in range(1, n + 1):
+            single = model.stage_row(top, i, ks[-1:], w, inner)[w - 1, 0]
+            if w > 1 and i + 1 < L:
+                left = model.split_row(top, i, ks[:-1], w, inner)[: w - 1]
+                single = min(single, float(np.maximum(left, best[w - 1:0:-1, i + 1:L]).min()))
+            best[w, i] = single
+    objective = float(best[n, 0])
+    if not np.isfinite(objective):
+        raise PlanningError("no plan")  # the caller explains (plan_from_profile)
+    stages, i, w = [], 0, n
+    while w:
+        ks = np.arange(i + 1, L + 1)
+        if model.stage_row(top, i, ks[-1:], w, inner)[w - 1, 0] == best[w, i]:
+            stages.append((i, L, w))
+            break
+        left = model.split_row(top, i, ks[:-1], w, inner)
+        w1, t = next((w1, t) for w1 in range(1, w) for t in range(len(ks) - 1)
+                     if max(left[w1 - 1, t], best[w - w1, ks[t]]) == best[w, i])
+        stages.append((i, int(ks[t]), w1))
+        i, w = int(ks[t]), w - w1
+    tree = _build(levels, top, stages)
+    return Solution(objective, tree, flatten(tree, topo))
+
+
+def _build(levels: list[_Level], level: int, stages: list[tuple[int, int, int]]) -> Node:
+    out: list[tuple[int, int, int, Node | None]] = []
+    for a, b, u in stages:
+        child = None
+        if level > 0:
+            below = levels[level - 1]
+            child = _build(levels, level - 1, below.trace(a, b, below.n))
+        out.append((a, b, u, child))
+    return Node(level, out)
+
+
+def flatten(tree: Node, topology: Topology) -> list[LeafStage]:
+    """Leaf stages in layer order with their ranks: a node's stages take consecutive units of each group
+    it is replicated on, so replicas and neighbours share the fastest level the plan allows."""
+    leaves: list[LeafStage] = []
+    k = len(topology.levels)
+
+    def walk(node: Node, bases: list[int], factors: list[int], in_level: int | None) -> None:
+        size = topology.unit_size(node.level)
+        offset = 0
+        for t, (a, b, u, child) in enumerate(node.stages):
+            units = [base + (offset + x) * size for base in bases for x in range(u)]
+            f = factors.copy()
+            f[node.level] = u
+            lvl = in_level if t == 0 else node.level
+            if child is None:
+                leaves.append(LeafStage(a, b, units, f, lvl))
+            else:
+                walk(child, units, f, lvl)
+            offset += u
+
+    walk(tree, [0], [1] * k, None)
+    return leaves
