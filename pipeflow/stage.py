@@ -13,6 +13,9 @@ from pipeflow.comm import flatten
 
 def to_device(x: Any, device: torch.device) -> Any:
     if isinstance(x, torch.Tensor):
+        if device.type == "cuda" and x.device.type == "cpu":
+            # Pinned memory makes the copy truly asynchronous: no host sync in the steady state.
+            return x.pin_memory().to(device, non_blocking=True)
         return x.to(device, non_blocking=True)
     if isinstance(x, (tuple, list)):
         return tuple(to_device(v, device) for v in x)
