@@ -75,7 +75,9 @@ def init_world(*, device: str = "auto", timeout_s: float = 300.0) -> World:
         addr = (host, int(os.environ.get("MASTER_PORT", 0)) or _free_port())
     host, port = comm.bcast(addr, root=0)
     kwargs: dict[str, Any] = {}
-    if backend == "nccl":
+    if backend == "nccl" and os.environ.get("PIPEFLOW_NCCL_EAGER_INIT") == "1":
+        # Eager init turns each 2-rank group's point-to-point ops into serialized collectives; the
+        # default (lazy) gives every channel its own communicator, created in P2P.warm_up.
         kwargs["device_id"] = dev
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s), **kwargs)
@@ -92,6 +94,20 @@ def new_groups(world: World, rank_sets: list[list[int]]) -> dict[tuple[int, ...]
             continue
         groups[key] = dist.new_group(list(ranks))
     return groups
+
+
+def p2p_group_options(backend: str) -> Any:
+    """NCCL options for the point-to-point channels: a posted receive occupies its CTAs on the GPU
+    until the peer's send arrives, so each channel gets few (PIPEFLOW_P2P_MAX_CTAS, default 4) to
+    leave the SMs to compute; a high-priority stream lets transfers jump the compute queue."""
+    if backend != "nccl":
+        return None
+    opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+    ctas = int(os.environ.get("PIPEFLOW_P2P_MAX_CTAS", "4"))
+    if ctas > 0:
+        opts.config.max_ctas = ctas
+        opts.config.min_ctas = min(opts.config.min_ctas, ctas) if opts.config.min_ctas > 0 else 1
+    return opts
 
 
 TensorMeta = tuple[tuple[int, ...], torch.dtype, bool]  # shape, dtype, requires_grad
@@ -161,6 +177,23 @@ class P2P:
             works.append(dist.irecv(buf, src, group=group))
             bufs.append(buf)
         return bufs, works
+
+    def warm_up(self) -> None:
+        """Open every channel once, in the order all ranks created them: NCCL creates a communicator
+        at its first use and blocks the host until the peer joins, which must not happen mid-schedule.
+        Each pair finishes its exchange before either side moves on, so this cannot deadlock."""
+        if self.world.size == 1:
+            return
+        probe = torch.zeros(1, device=self.world.device)
+        for (src, dst, _), group in self.groups.items():
+            if self.world.rank == src:
+                dist.send(probe, dst, group=group)
+            elif self.world.rank == dst:
+                dist.recv(probe, src, group=group)
+            else:
+                continue
+            if self.world.device.type == "cuda":
+                torch.cuda.synchronize(self.world.device)
 
     def expect_meta(self, src: int, signature: Any) -> list[TensorMeta]:
         key = (src, self.world.rank, signature)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from partitioner.plan import Plan
-from pipeflow.comm import P2P, World, new_groups
+from pipeflow.comm import P2P, World, new_groups, p2p_group_options
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.reduce import GradReducer
 from pipeflow.schedule import FLUSH_SCHEDULES, Action, Schedule, generate
@@ -33,16 +33,27 @@ class WeightPolicy:
     current weights throughout; asynchronous schedules (stash.py) swap versions around each action."""
 
     def before_forward(self, mb: int) -> None: ...
+    def after_forward(self, mb: int) -> None: ...
     def before_backward(self, mb: int) -> None: ...
     def after_backward(self, mb: int) -> None: ...
+    def before_step(self) -> None: ...
     def after_step(self) -> None: ...
+    def finish(self) -> None: ...
+
+    # Checkpoint hooks (checkpoint.py): weights_only-loadable state (tensors, dicts, lists, numbers)
+    # saved with this stage's layers, and given back on resume under the same stage split.
+    def extra_state(self) -> Any:
+        return None
+
+    def load_extra_state(self, state: Any) -> None: ...
 
 
 class Engine:
     def __init__(self, world: World, plan: Plan, spec: ModelSpec, *, schedule: str,
                  optimizer_factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
                  loader: MicrobatchLoader, dtype: torch.dtype = torch.float32, total_steps: int = 1,
-                 timer: Timer | None = None) -> None:
+                 timer: Timer | None = None, vertical_sync: bool = False,
+                 warmup: list[int] | None = None) -> None:
         self.world, self.plan, self.spec, self.loader = world, plan, spec, loader
         self.schedule_name = schedule
         self.m = plan.microbatches
@@ -57,15 +68,25 @@ class Engine:
         self.flush = schedule in FLUSH_SCHEDULES
         # Flush schedules repeat one step's list; asynchronous ones run all microbatches as one list.
         mbs = self.m if self.flush else self.m * total_steps
-        self.sched: Schedule = generate(schedule, self.S, mbs, plan.replicas, minibatch=self.m)
+        self.sched: Schedule = generate(schedule, self.S, mbs, plan.replicas, minibatch=self.m, warmup=warmup)
         self.worker = self.sched.worker(self.s, self.r)
         self.actions: list[Action] = self.sched.actions[self.worker]
         self.p2p = P2P(world, self._make_channels())
+        self.p2p.warm_up()
         self.reducer: GradReducer | None = None
         if st.replicas > 1:
             group = self.replica_groups[tuple(st.ranks)]
             self.reducer = GradReducer(self.stage.parameters(), group)
         self.policy = WeightPolicy()
+        self.step_guard: Callable[[], bool] | None = None
+        if not self.flush:
+            from pipeflow.stash import StashPolicy, version_fn  # stash.py subclasses WeightPolicy
+
+            self.policy = StashPolicy(self.stage.module, self.actions, version_fn(
+                self.sched, self.s, minibatch=self.m, vertical_sync=vertical_sync), sched=self.sched,
+                worker=self.worker)
+        # Microbatches one STEP of this stage consumes (over its replicas): async steps per backward.
+        self.microbatches_per_step = st.replicas if schedule == "async" else self.m
         self.losses: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ set-up
@@ -85,8 +106,9 @@ class Engine:
         sets = [sorted((a, b)) for a, b, _ in pairs]
         # Two groups per pair: one per direction (see comm.P2P), so create each rank set twice.
         groups: dict[tuple[int, int, str], Any] = {}
+        options = p2p_group_options(self.world.backend)
         for (a, b, d), ranks in zip(pairs, sets):
-            groups[(a, b, d)] = dist.new_group(ranks) if self.world.size > 1 else None
+            groups[(a, b, d)] = dist.new_group(ranks, pg_options=options) if self.world.size > 1 else None
         replica_sets = [st.ranks for st in self.plan.stages if st.replicas > 1]
         self.replica_groups = new_groups(self.world, replica_sets)
         last = self.plan.stages[-1]
@@ -105,10 +127,10 @@ class Engine:
         recv_b: dict[int, tuple[list[torch.Tensor], list[Any]] | None] = {}
         outputs: dict[int, list[torch.Tensor]] = {}
         in_grads: dict[int, list[torch.Tensor]] = {}
-        last_b = {a.microbatch for a in actions if a.kind == "B"}
+        # The reducer is armed for the last backward before each STEP (its gradients are then final).
+        seq = [a for a in actions if a.kind in ("B", "STEP")]
+        arm_at = {b.microbatch for b, nxt in zip(seq, seq[1:]) if b.kind == "B" and nxt.kind == "STEP"}
         steps_done = 0
-        backward_seen = 0
-        bs_per_step = self._backwards_per_step(actions)
         for a in actions:
             i = a.microbatch
             if a.kind == "RECV_F":
@@ -133,10 +155,7 @@ class Engine:
                 posted = recv_b.pop(i, None)
                 if posted is None and not self.stage.last:
                     posted = self._post_recv_b(Action("RECV_B", i))
-                backward_seen += 1
-                if self.reducer is not None and self.flush and backward_seen == len(last_b):
-                    self.reducer.arm()
-                elif self.reducer is not None and not self.flush and backward_seen % bs_per_step == 0:
+                if self.reducer is not None and i in arm_at:
                     self.reducer.arm()
                 in_grads[i] = self._backward(i, posted)
                 outputs.pop(i, None)
@@ -154,11 +173,8 @@ class Engine:
             else:
                 raise RuntimeError(f"rank {self.world.rank}: the engine cannot run action {a}")
         self.p2p.wait_sends()
-
-    def _backwards_per_step(self, actions: list[Action]) -> int:
-        nb = sum(a.kind == "B" for a in actions)
-        ns = sum(a.kind == "STEP" for a in actions)
-        return max(1, nb // max(ns, 1))
+        if not self.flush:
+            self.policy.finish()
 
     def _post_recv_b(self, a: Action) -> tuple[list[torch.Tensor], list[Any]]:
         assert a.microbatch is not None
@@ -186,6 +202,7 @@ class Engine:
         scale = 1.0 / self.m if self.schedule_name != "async" else 1.0
         with self.timer.span("F", i):
             outs = self.stage.forward(i, inputs, target, loss_scale=scale)
+        self.policy.after_forward(i)
         if self.stage.last:
             self.losses.append(outs[0])
         outputs[i] = outs
@@ -207,7 +224,10 @@ class Engine:
         with self.timer.span("STEP"):
             if self.reducer is not None:
                 self.reducer.finish()
-            self.optimizer.step()
+            self.policy.before_step()
+            # failure.StepGuard: skips non-finite updates; agrees on stop/skip at step boundaries.
+            if self.step_guard is None or self.step_guard():
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.policy.after_step()
 

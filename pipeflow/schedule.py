@@ -148,6 +148,15 @@ def warmup_forwards(replicas: Sequence[int], stage: int) -> int:
     return max(0, math.ceil(sum(replicas[stage:]) / replicas[stage]) - 1)
 
 
+def fill_warmup(replicas: Sequence[int], stage: int, *, backward_ratio: float = 2.0) -> int:
+    """Forwards that keep a stage busy until its first gradient returns, for stages of equal cost with
+    backward = `backward_ratio` x forward: the round trip to the last stage and back takes
+    (1 + ratio) x warmup_forwards forward-times. DAPPLE's minimum leaves the first stages idle that
+    long once per minibatch; when the first stage is the bottleneck that idle time is lost throughput.
+    Costs memory: that many more microbatches' activations in flight."""
+    return math.ceil((1 + backward_ratio) * warmup_forwards(replicas, stage))
+
+
 def _one_f_one_b(mbs: list[int], warmup: int) -> list[Action]:
     warmup = min(warmup, len(mbs))
     order = [F(i) for i in mbs[:warmup]]
@@ -158,24 +167,35 @@ def _one_f_one_b(mbs: list[int], warmup: int) -> list[Action]:
 
 
 def compute_order(name: str, stages: int, microbatches: int, replicas: Sequence[int], worker_mbs: list[int],
-                  stage: int, *, minibatch: int | None = None) -> list[Action]:
-    """The compute actions (and STEPs) of one worker, before communication is added."""
+                  stage: int, *, minibatch: int | None = None, warmup: int | None = None) -> list[Action]:
+    """The compute actions (and STEPs) of one worker, before communication is added. `warmup` overrides
+    the forwards before the first backward (1f1b only)."""
     if name == "gpipe":
         return [F(i) for i in worker_mbs] + [B(i) for i in worker_mbs] + [STEP]
-    order = _one_f_one_b(worker_mbs, warmup_forwards(replicas, stage))
+    order = _one_f_one_b(worker_mbs, warmup_forwards(replicas, stage) if warmup is None else warmup)
     if name == "1f1b":
         return order + [STEP]
     if name == "async":
-        # PipeDream: an update after every backward, no flush.
+        # PipeDream: an update after every backward, no flush; replicas all-reduce at every STEP, so
+        # they must run equally many backwards.
+        if microbatches % replicas[stage]:
+            raise ScheduleError(f"async: stage {stage} has {replicas[stage]} replicas, which must divide the "
+                                f"total number of microbatches (steps x m), found {microbatches}")
         return [a for x in order for a in ((x, STEP) if x.kind == "B" else (x,))]
     if name == "2bw":
-        # PipeDream-2BW: 1F1B without flush; an update after the last backward of each minibatch.
+        # PipeDream-2BW: 1F1B without flush; an update after this worker's last backward of each minibatch
+        # (with replicas, every replica owns a share of each minibatch: needs m >= replicas).
         if not minibatch or minibatch < 1:
             raise ScheduleError(f"2bw needs the minibatch size in microbatches, found {minibatch}")
+        if minibatch < replicas[stage] or microbatches % minibatch:
+            raise ScheduleError(f"2bw: stage {stage} has {replicas[stage]} replicas and minibatches of {minibatch} "
+                                f"microbatches over {microbatches} in all; need m >= replicas and m dividing the "
+                                "total, so that every replica steps once per minibatch")
+        last = {max(i for i in worker_mbs if i // minibatch == k) for k in {i // minibatch for i in worker_mbs}}
         out: list[Action] = []
         for x in order:
             out.append(x)
-            if x.kind == "B" and x.microbatch is not None and (x.microbatch + 1) % minibatch == 0:
+            if x.kind == "B" and x.microbatch in last:
                 out.append(STEP)
         return out
     raise ScheduleError(f"unknown schedule {name!r}; expected one of {SCHEDULES}")
@@ -209,9 +229,9 @@ def add_communication(sched: Schedule, orders: list[list[Action]]) -> list[list[
 
 
 def generate(name: str, stages: int, microbatches: int, replicas: Sequence[int] | None = None, *,
-             minibatch: int | None = None) -> Schedule:
+             minibatch: int | None = None, warmup: Sequence[int] | None = None) -> Schedule:
     """Build, validate and dry-run a schedule. For `async`/`2bw`, `microbatches` counts all of them
-    (steps x m) and `minibatch` is m."""
+    (steps x m) and `minibatch` is m. `warmup` (1f1b only): forwards before the first backward, per stage."""
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; expected one of {', '.join(SCHEDULES)}")
     if stages < 1 or microbatches < 1:
@@ -220,8 +240,15 @@ def generate(name: str, stages: int, microbatches: int, replicas: Sequence[int] 
     reps = tuple(replicas) if replicas is not None else (1,) * stages
     if len(reps) != stages or any(r < 1 for r in reps):
         raise ScheduleError(f"replicas must be {stages} positive counts, found {list(reps)}")
+    if warmup is not None:
+        if name != "1f1b":
+            raise ScheduleError(f"a warm-up depth applies to 1f1b only, not {name!r} (its weight versions depend "
+                                "on the standard depth)")
+        if len(warmup) != stages or any(w < 0 for w in warmup):
+            raise ScheduleError(f"warmup must be {stages} non-negative counts (one per stage), found {list(warmup)}")
     sched = Schedule(name, stages, microbatches, reps)
-    orders = [compute_order(name, stages, microbatches, reps, sched.microbatches_of(w), s, minibatch=minibatch)
+    orders = [compute_order(name, stages, microbatches, reps, sched.microbatches_of(w), s, minibatch=minibatch,
+                            warmup=None if warmup is None else warmup[s])
               for w, (s, _) in enumerate(sched.workers)]
     sched.actions = add_communication(sched, orders)
     validate(sched)

@@ -10,6 +10,7 @@ With no --plan the layers are profiled and planned on the spot for the -np given
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import sys
@@ -51,10 +52,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a rank waits for a peer before failing")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="write checkpoints to DIR/step-NNNNNN/ (a file per stage, then a COMPLETE marker)")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="steps between checkpoints (default 0: at the end, and when stopped by SIGTERM/SIGINT)")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+                   help="continue from PATH (a step-NNNNNN directory or a checkpoint directory) or, without "
+                        "PATH, from the newest complete checkpoint in --checkpoint-dir (none yet: from step 0)")
+    p.add_argument("--skip-nonfinite", action="store_true",
+                   help="skip steps whose loss or gradients are NaN/inf instead of stopping")
     p.add_argument("--save", default=None, help="write the trained model's state_dict here (rank 0)")
     p.add_argument("--log-every", type=int, default=0, help="steps between loss reports (default: steps/10)")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="write TensorBoard scalars here (throughput, loss, per-stage times, bubble, memory)")
+    p.add_argument("--trace", default=None, metavar="FILE.json",
+                   help="write every rank's measured timeline as a Chrome trace (open in ui.perfetto.dev)")
+    p.add_argument("--vertical-sync", action="store_true",
+                   help="async: every stage uses the weight version stage 0 used (PipeDream §3.3)")
     p.add_argument("--layers-per-stage", default=None,
                    help="with no --plan: comma-separated layer counts per stage instead of planning, e.g. 7,6,6,5")
+    p.add_argument("--warmup", default="min",
+                   help="1f1b forwards before the first backward, per stage: min (DAPPLE, S-1-s), fill (keep "
+                        "early stages busy until their first gradient returns; more activation memory), or N,N,...")
     return p
 
 
@@ -66,8 +85,16 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--microbatches must be >= 1, found {args.microbatches}")
     if args.schedule is not None and args.schedule not in SCHEDULES:
         raise UsageError(f"unknown schedule {args.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+    if getattr(args, "vertical_sync", False) and args.schedule not in (None, "async"):
+        raise UsageError(f"--vertical-sync needs --schedule async, found {args.schedule}")
     if args.timeout <= 0:
         raise UsageError(f"--timeout must be > 0 seconds, found {args.timeout}")
+    if args.warmup not in ("min", "fill") and not all(x.strip().isdigit() for x in args.warmup.split(",")):
+        raise UsageError(f"--warmup must be min, fill or comma-separated counts like 9,6,3,0, found {args.warmup!r}")
+    if args.checkpoint_every < 0:
+        raise UsageError(f"--checkpoint-every must be >= 0 steps, found {args.checkpoint_every}")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise UsageError("--checkpoint-every needs --checkpoint-dir (where to write the checkpoints)")
 
 
 def make_plan(args: argparse.Namespace, spec: ModelSpec, world_size: int, rank: int, mpi: Any) -> Plan:
@@ -88,11 +115,28 @@ def make_plan(args: argparse.Namespace, spec: ModelSpec, world_size: int, rank: 
         try:
             counts = [int(x) for x in args.layers_per_stage.split(",")]
         except ValueError:
-            raise UsageError(f"--layers-per-stage must be comma-separated integers, found {args.layers_per_stage!r}")
+            raise UsageError(f"--layers-per-stage must be comma-separated integers, found {args.layers_per_stage!r}"
+                             ) from None
         if len(counts) != world_size:
             raise UsageError(f"--layers-per-stage gives {len(counts)} stages but -np is {world_size}")
     return even_plan(n, world_size, schedule=args.schedule or "1f1b", microbatches=args.microbatches or 8,
                      layer_counts=counts)
+
+
+def resolve_warmup(text: str, plan: Plan) -> list[int] | None:
+    """--warmup as per-stage counts, or None for the schedule's own (DAPPLE's minimum)."""
+    from pipeflow.schedule import fill_warmup
+
+    if text == "min":
+        return None
+    if plan.schedule != "1f1b":
+        raise UsageError(f"--warmup {text} applies to --schedule 1f1b only, found {plan.schedule}")
+    if text == "fill":
+        return [fill_warmup(plan.replicas, s) for s in range(len(plan.stages))]
+    counts = [int(x) for x in text.split(",")]
+    if len(counts) != len(plan.stages):
+        raise UsageError(f"--warmup gives {len(counts)} counts but the plan has {len(plan.stages)} stages")
+    return counts
 
 
 def make_optimizer(args: argparse.Namespace) -> Any:
@@ -100,34 +144,9 @@ def make_optimizer(args: argparse.Namespace) -> Any:
         if args.optimizer == "sgd":
             return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
         cls = torch.optim.Adam if args.optimizer == "adam" else torch.optim.AdamW
-        return cls(params, lr=args.lr, weight_decay=args.weight_decay)
+        fused = bool(params) and all(p.is_cuda for p in params)  # one kernel per step on GPUs
+        return cls(params, lr=args.lr, weight_decay=args.weight_decay, fused=fused or None)
     return factory
-
-
-class Progress:
-    """One line per report on the rank that owns the loss: a live bar on a terminal, log lines otherwise."""
-
-    def __init__(self, total: int, samples_per_step: int, tokens_per_sample: int) -> None:
-        self.total, self.sps, self.tps = total, samples_per_step, tokens_per_sample
-        self.tty = sys.stderr.isatty()
-        self.t0 = time.perf_counter()
-        self.last_t, self.last_step = self.t0, 0
-
-    def report(self, step: int, loss: float) -> None:
-        now = time.perf_counter()
-        rate = (step - self.last_step) * self.sps / max(now - self.last_t, 1e-9)
-        self.last_t, self.last_step = now, step
-        tok = f" {rate * self.tps / 1000:.1f}k tok/s" if self.tps else ""
-        if self.tty:
-            width = 30
-            done = int(width * step / self.total)
-            sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] step {step}/{self.total} "
-                             f"loss {loss:.4f} {rate:.1f} samples/s{tok}")
-            if step == self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-        else:
-            log.info("step %d/%d loss %.4f %.1f samples/s%s", step, self.total, loss, rate, tok)
 
 
 def setup_logging(rank: int, size: int) -> None:
@@ -138,11 +157,29 @@ def setup_logging(rank: int, size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if os.environ.get("PIPEFLOW_STACK_DUMP_S"):  # debugging a hang: every thread's stack, then exit
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["PIPEFLOW_STACK_DUMP_S"]), exit=True)
     from mpi4py import MPI
 
+    from pipeflow.failure import Watchdog, write_pid_file
+
     comm = MPI.COMM_WORLD
+    setup_logging(comm.Get_rank(), comm.Get_size())
+    write_pid_file()
+    # Peer heartbeats: a rank that dies or stops ends the job within --timeout, even where MPI would wait.
+    watchdog = Watchdog(comm, args.timeout if args.timeout > 0 else 300.0).start()
+    atexit.register(watchdog.stop)
+    code = _main(args, comm, watchdog)
+    watchdog.stop(sync=True)  # _main returns on all ranks together: none beats at a finalised peer
+    return code
+
+
+def _main(args: argparse.Namespace, comm: Any, watchdog: Any) -> int:
+    from pipeflow.failure import AgreedError, StopTraining
+
     rank, size = comm.Get_rank(), comm.Get_size()
-    setup_logging(rank, size)
     # Set-up errors are the same on every rank (same flags, files, model): each rank reports and exits;
     # an error on some ranks only is shared through one MPI agreement so that none waits for the others.
     error: str | None = None
@@ -160,53 +197,96 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return run(args, spec, plan, comm)
+    except StopTraining as e:  # every rank stopped at the same step boundary
+        if rank == 0:
+            print(f"pipeflow-train: {e}", file=sys.stderr, flush=True)
+        return e.code
+    except AgreedError as e:
+        print(f"pipeflow-train: error: [rank {rank}] {e}", file=sys.stderr, flush=True)
+        return 2
     except (UsageError, PlanError, ScheduleError) as e:
         print(f"pipeflow-train: error: [rank {rank}] {e}", file=sys.stderr, flush=True)
         comm.Abort(2)
         return 2
     except Exception:
         traceback.print_exc()
-        print(f"pipeflow-train: rank {rank} failed (traceback above); stopping all ranks", file=sys.stderr,
+        silent = watchdog.suspects()  # a transfer failed: was it a dead or stopped peer?
+        cause = f": rank {', '.join(map(str, silent))} stopped responding (no heartbeat)" if silent else ""
+        print(f"pipeflow-train: rank {rank} failed (traceback above){cause}; stopping all ranks", file=sys.stderr,
               flush=True)
         comm.Abort(1)
         return 1
 
 
 def run(args: argparse.Namespace, spec: ModelSpec, plan: Plan, comm: Any) -> int:
+    from pipeflow.checkpoint import run_info
     from pipeflow.comm import init_world
     from pipeflow.data.loader import MicrobatchLoader
     from pipeflow.engine import Engine
+    from pipeflow.failure import Supervisor
+    from pipeflow.monitor import Monitor
 
     world = init_world(device=args.device, timeout_s=args.timeout)
     if world.rank == 0:
         log.info("plan: %s, %d microbatches of %d, stages %s", plan.schedule, plan.microbatches,
                  args.microbatch_size, [(list(st.layers), st.ranks) for st in plan.stages])
     loader = MicrobatchLoader(spec.dataset, args.microbatch_size, seed=args.seed, shuffle=not args.no_shuffle)
-    engine = Engine(world, plan, spec, schedule=plan.schedule, optimizer_factory=make_optimizer(args),
-                    loader=loader, dtype=DTYPES[args.dtype], total_steps=args.steps)
     m = plan.microbatches
+    monitor = Monitor(comm, plan, world.device, total_steps=args.steps, samples_per_step=m * args.microbatch_size,
+                      tokens_per_sample=spec.tokens_per_sample, tensorboard=args.tensorboard, trace=args.trace,
+                      config=vars(args))
+    engine = Engine(world, plan, spec, schedule=plan.schedule, optimizer_factory=make_optimizer(args),
+                    warmup=resolve_warmup(args.warmup, plan),
+                    loader=loader, dtype=DTYPES[args.dtype], total_steps=args.steps, timer=monitor.timer,
+                    vertical_sync=args.vertical_sync)
+    # Resume, checkpoints, signals and non-finite checks at step boundaries (failure.py, checkpoint.py).
+    supervisor = Supervisor(args, engine, comm, run_info(args, spec, plan))
+    start = supervisor.start()
     every = args.log_every or max(1, args.steps // 10)
-    progress = Progress(args.steps, m * args.microbatch_size, spec.tokens_per_sample) if engine.owns_loss else None
-    last_reported = 0
+    last_reported = start
+    first_report: tuple[int, float] | None = None  # (step, time) of the first report: steady state after it
 
     def report(k: int) -> None:
-        nonlocal last_reported
+        nonlocal last_reported, first_report
         step = k + 1
+        monitor.end_step(k)
         if step % every == 0 or step == args.steps:
             loss = engine.take_loss((step - last_reported) * m)
             last_reported = step
-            if progress is not None and loss is not None:
-                progress.report(step, loss)
+            if first_report is None:
+                first_report = (step, time.perf_counter())
+            monitor.report(step, loss, lr=engine.optimizer.param_groups[0]["lr"])
+        supervisor.after_step(step)
 
+    monitor.start(start)
     if engine.flush:
-        for k in range(args.steps):
+        for k in range(start, args.steps):
             engine.train_step(k)
             report(k)
     else:
-        engine.run(engine.actions, on_step=lambda n: report(n // m) if (n + 1) % m == 0 else None)
+        def on_step(n: int) -> None:  # report each minibatch the (n+1)-th STEP of this stage completes
+            per = engine.microbatches_per_step
+            for k in range(n * per // m, (n + 1) * per // m):
+                report(k)
+
+        engine.run(engine.actions, on_step=on_step)
+    supervisor.close()
+    monitor.close()
+    if engine.owns_loss and first_report is not None and first_report[0] < args.steps:
+        steps, dt = args.steps - first_report[0], time.perf_counter() - first_report[1]
+        rate = steps * m * args.microbatch_size / dt
+        tok = f", {rate * spec.tokens_per_sample:.0f} tokens/s" if spec.tokens_per_sample else ""
+        log.info("steady state (steps %d-%d): %.1f samples/s%s", first_report[0] + 1, args.steps, rate, tok)
+    if world.device.type == "cuda":
+        peaks = comm.gather(torch.cuda.max_memory_allocated(world.device), root=0)
+        if world.rank == 0:
+            log.info("peak GPU memory per rank (GiB): %s", [round(p / 2**30, 2) for p in peaks])
     if args.save:
         save_model(engine, args.save, comm)
     comm.Barrier()
+    if torch.distributed.is_initialized():
+        # NCCL may hang at interpreter exit when its process group is left for the destructor.
+        torch.distributed.destroy_process_group()
     return 0
 
 

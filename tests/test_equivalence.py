@@ -32,3 +32,16 @@ def test_pipeline_equals_single_process(tmp_path, model, schedule, np_):
         torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-11)
     # The run trained: some parameter moved away from its initial value.
     assert any(not torch.equal(want[k], initial[k]) for k in want)
+
+
+def test_1f1b_with_deeper_warmup_equals_single_process(tmp_path):
+    """--warmup fill changes only when backwards run, not what they compute."""
+    out = tmp_path / "model.pt"
+    run_mpi(4, ["--model", "gpt", "--model-args", json.dumps(MODELS["gpt"]), "--schedule", "1f1b",
+                "--warmup", "fill", "--steps", str(STEPS), "--microbatches", str(M), "--microbatch-size", str(B),
+                "--optimizer", "sgd", "--lr", "0.05", "--dtype", "float64", "--device", "cpu", "--save", str(out)])
+    got = torch.load(out, weights_only=True)
+    want = reference_flush("gpt", MODELS["gpt"], steps=STEPS, microbatches=M, microbatch_size=B, optimizer="sgd",
+                           lr=0.05)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-11)

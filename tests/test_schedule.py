@@ -116,3 +116,35 @@ def test_every_generated_schedule_is_valid_and_deadlock_free(name, stages, m, re
         fwd = [a.microbatch for a in s.actions[w] if a.kind == "F"]
         bwd = [a.microbatch for a in s.actions[w] if a.kind == "B"]
         assert fwd == mine and bwd == mine  # each exactly once, in order
+
+
+def test_fill_warmup_covers_the_round_trip():
+    from pipeflow.schedule import fill_warmup
+
+    assert [fill_warmup([1, 1, 1, 1], s) for s in range(4)] == [9, 6, 3, 0]
+    s = generate("1f1b", 4, 12, warmup=[9, 6, 3, 0])
+    assert compute(s, 0)[:11] == [f"F{i}" for i in range(10)] + ["B0"]
+
+
+def test_warmup_is_for_1f1b_only():
+    with pytest.raises(ScheduleError, match="warm-up depth applies to 1f1b only, not 'async'"):
+        generate("async", 2, 4, warmup=[1, 0], minibatch=2)
+    with pytest.raises(ScheduleError, match=r"warmup must be 2 non-negative counts \(one per stage\), found \[1\]"):
+        generate("1f1b", 2, 4, warmup=[1])
+
+
+@settings(max_examples=80, deadline=None)
+@given(stages=st.integers(1, 6), m=st.integers(1, 24), data=st.data())
+def test_any_warmup_depth_is_valid_and_deadlock_free(stages, m, data):
+    # Depths that do not increase downstream: a stage must send at least as many forwards before its
+    # first backward as the next stage needs before its own.
+    warmup = sorted(data.draw(st.lists(st.integers(0, 30), min_size=stages, max_size=stages)), reverse=True)
+    s = generate("1f1b", stages, m, warmup=warmup)
+    for w in range(stages):
+        fwd_before_b = next(i for i, a in enumerate(x for x in s.actions[w] if x.is_compute) if a.kind == "B")
+        assert fwd_before_b == min(warmup[w] + 1, m)
+
+
+def test_warmup_deeper_downstream_deadlocks_and_says_so():
+    with pytest.raises(ScheduleError, match=r"deadlock: worker 0 at B0, worker 1 at F1 can never proceed"):
+        generate("1f1b", 2, 2, warmup=[0, 1])

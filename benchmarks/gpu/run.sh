@@ -13,15 +13,15 @@ common=(--model gpt --model-args "$GPT" --microbatch-size 2 --microbatches 32 --
 
 pf() {  # name schedule split
   local log=/tmp/pf-$1.log
-  mpirun -np 4 python3 -m pipeflow.train "${common[@]}" --schedule "$2" --layers-per-stage "$3" 2>&1 | tee "$log" | grep -v "^\[rank [0-2]\] INFO pipeflow: step"
+  timeout 300 mpirun -np 4 python3 -m pipeflow.train "${common[@]}" --schedule "$2" --layers-per-stage "$3" ${PF_EXTRA:-} 2>&1 | tee "$log" | grep -v "^\[rank [0-2]\] INFO pipeflow: step"
   local tps peak
   tps=$(grep -o 'steady state.*' "$log" | grep -o '[0-9.]* tokens/s' | cut -d' ' -f1)
   peak=$(grep -o 'peak GPU memory per rank (GiB): .*' "$log" | cut -d: -f2)
-  echo "RESULT pipeflow-$1 split=$3 tokens_per_s=${tps:-FAILED} peak_gib=${peak:-?}" | tee -a "$RES"
+  echo "RESULT pipeflow-$1 split=$3 ctas=${PIPEFLOW_P2P_MAX_CTAS:-4} tokens_per_s=${tps:-FAILED} peak_gib=${peak:-?}" | tee -a "$RES"
 }
 
 tpp() {  # name schedule split
-  python3 -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/gpu/bench_torch_pp.py \
+  timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/gpu/bench_torch_pp.py \
     --schedule "$2" --split "$3" --steps "$STEPS" 2>&1 | tee /tmp/torch-$1.log | grep -E "RESULT|Error|error" | tee -a "$RES"
 }
 
@@ -29,7 +29,8 @@ for w in "${@:-smoke pf-1f1b torch-1f1b pf-gpipe torch-gpipe}"; do
   for x in $w; do
     echo "=== $x $(date +%T)"
     case $x in
-      smoke) mpirun -np 4 python3 -m pipeflow.train --model gpt --device cuda --steps 4 --log-every 2 2>&1 | tail -4 ;;
+      smoke) PIPEFLOW_STACK_DUMP_S=100 timeout 120 mpirun -np 4 python3 -m pipeflow.train --model gpt --device cuda \
+               --steps 4 --log-every 2 2>&1 || { echo "RESULT smoke FAILED" | tee -a "$RES"; exit 1; } ;;
       pf-1f1b) pf 1f1b 1f1b 8,6,6,6 ;;
       pf-1f1b-even) pf 1f1b-even 1f1b 7,6,6,7 ;;
       pf-gpipe) pf gpipe gpipe 8,6,6,6 ;;
