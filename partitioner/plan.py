@@ -135,6 +135,8 @@ class Plan:
             text = Path(path).read_text()
         except OSError as e:
             raise PlanError(f"cannot read plan {path}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise PlanError(f"{path}: not a text file ({e.reason} at byte {e.start}); expected plan.json") from None
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:

@@ -29,7 +29,7 @@ from partitioner.topology import Topology
 SCHEDULES = ("gpipe", "1f1b", "async", "2bw")
 OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2}  # momentum; exp_avg + exp_avg_sq
 INF = float("inf")
-_CHUNK = 1 << 22  # elements per temporary array in the vectorized DP
+_CHUNK = 1 << 16  # elements per temporary array in the vectorized DP
 
 
 class PlanningError(ValueError):
@@ -139,18 +139,27 @@ class CostModel:
         assert inner is not None
         return inner[i, j]
 
-    def stage_row(self, level: int, i: int, ks: np.ndarray, w: int, inner: np.ndarray | None) -> np.ndarray:
-        """Cost of stages [i, k) for k in ks on r = 1..w units when the range has w units from i on;
-        inf where the memory limit is exceeded or --straight forbids replicas. Shape (w, len(ks))."""
-        rs = np.arange(1, w + 1, dtype=np.float64)[:, None]
+    def stage_rows(self, level: int, i: int, ks: np.ndarray, n: int, inner: np.ndarray | None) -> np.ndarray:
+        """Cost of stages [i, k) for k in ks on r = 1..n units, inf where --straight forbids replicas;
+        shape (n, len(ks)). Memory is applied per range size by `fit`."""
+        rs = np.arange(1, n + 1, dtype=np.float64)[:, None]
         out = self.stage_ms(self.unit_ms(level, i, ks, inner)[None, :], (self.P[ks] - self.P[i])[None, :], rs, level)
         if self.straight:
             out[1:] = INF
+        return out
+
+    def fit(self, level: int, i: int, ks: np.ndarray, w: int, rows: np.ndarray) -> np.ndarray:
+        """rows[:w] with inf where a level-0 stage [i, k) on r units, w units from it on, exceeds memory."""
+        out = rows[:w]
         if level == 0 and self.memory_per_worker is not None:
             d = w + (0 if len(self.topology.levels) == 1 else self.outside(0))
-            mem = self.memory_bytes(i, ks[None, :], rs.astype(np.int64), d)
-            out[mem > self.memory_per_worker] = INF
+            mem = self.memory_bytes(i, ks[None, :], np.arange(1, w + 1)[:, None], d)
+            out = np.where(mem > self.memory_per_worker, INF, out)
         return out
+
+    def stage_row(self, level: int, i: int, ks: np.ndarray, w: int, inner: np.ndarray | None) -> np.ndarray:
+        """Stages [i, k) on r = 1..w units when the range has w units from i on. Shape (w, len(ks))."""
+        return self.fit(level, i, ks, w, self.stage_rows(level, i, ks, w, inner))
 
     def split_row(self, level: int, i: int, ks: np.ndarray, w: int, inner: np.ndarray | None) -> np.ndarray:
         """As stage_row for a stage that is followed by another at this level: adds its output boundary."""
@@ -192,7 +201,10 @@ def evaluate(model: CostModel, node: Node) -> float:
     total = sum(u for _, _, u, _ in node.stages)
     worst, left = 0.0, total
     for t, (a, b, u, child) in enumerate(node.stages):
-        unit = model.microbatches * (model.C[b] - model.C[a]) if node.level == 0 else evaluate(model, child)  # type: ignore[arg-type]
+        if child is None:
+            unit = model.microbatches * (model.C[b] - model.C[a])
+        else:
+            unit = evaluate(model, child)
         cost = float(model.stage_ms(unit, model.P[b] - model.P[a], u, node.level))
         if model.straight and u > 1:
             cost = INF
@@ -214,15 +226,22 @@ class _Level:
         n, L = model.topology.levels[level].workers, model.num_layers
         self.n = n
         best = np.full((n + 1, L + 1, L + 1), INF)
+        rs = np.arange(1, n + 1, dtype=np.float64)[:, None]
         for i in range(L - 1, -1, -1):
             ks = np.arange(i + 1, L + 1)
+            rows = model.stage_rows(level, i, ks, n, inner)
+            bounds = model.boundary_ms(ks[None, :-1], rs, level)
             for w in range(1, n + 1):
-                stage = model.stage_row(level, i, ks, w, inner)
+                stage = model.fit(level, i, ks, w, rows)
                 best[w, i, i + 1:] = stage[w - 1]  # one stage on all w units
                 if w > 1 and i + 1 < L:
-                    left = model.split_row(level, i, ks[:-1], w, inner)[: w - 1]  # first stage on w' units
-                    rest = best[w - 1:0:-1, i + 1:L, :]  # rest on w - w' units
-                    best[w, i] = np.minimum(best[w, i], _minmax(left, rest))
+                    # First stage [i, k) on w' units, the rest [k, j) on w - w', for k in (i, L), j in (i + 1, L].
+                    left = np.maximum(stage[: w - 1, :-1], bounds[: w - 1])
+                    rest = best[w - 1:0:-1, i + 1:L, i + 2:]
+                    row = best[w, i, i + 2:]
+                    # A lower bound of the first stage's cost that never decreases with k (suffix min).
+                    bound = np.minimum.accumulate(stage[: w - 1, :-1].min(axis=0)[::-1])[::-1]
+                    _minmax(left, bound, rest, row)
         self.best = best
 
     def table(self) -> np.ndarray:
@@ -242,15 +261,22 @@ class _Level:
         raise AssertionError(f"DP trace failed at level {self.level}, [{i}, {j}) on {w}")
 
 
-def _minmax(left: np.ndarray, rest: np.ndarray) -> np.ndarray:
-    """min over (w', k) of max(left[w', k], rest[w', k, j]) for every j, in bounded chunks."""
-    out = np.full(rest.shape[2], INF)
-    per_k = rest.shape[0] * rest.shape[2]
-    step = max(1, _CHUNK // max(1, per_k))
-    for k0 in range(0, rest.shape[1], step):
-        block = np.maximum(rest[:, k0:k0 + step, :], left[:, k0:k0 + step, None])
-        np.minimum(out, block.min(axis=(0, 1)), out=out)
-    return out
+def _minmax(left: np.ndarray, base: np.ndarray, rest: np.ndarray, out: np.ndarray) -> None:
+    """out[j] = min(out[j], min over (w', k) of max(left[w', k], rest[w', k, j])), in place.
+
+    Row k is the split after layer i + k + 1 and column j the range end i + j + 2, so rows k > j are
+    empty ranges (inf) and are skipped block by block. `base` bounds left from below and never decreases
+    with k, so once base >= out[j] no later row can improve column j."""
+    n_j = rest.shape[2]
+    width = 64
+    for c0 in range(0, n_j, width):
+        c1 = min(n_j, c0 + width)
+        ub = out[c0:c1].max()
+        k1 = min(c1, int(np.searchsorted(base, ub, side="left")))
+        if k1 <= 0:
+            continue
+        block = np.maximum(rest[:, :k1, c0:c1], left[:, :k1, None])
+        np.minimum(out[c0:c1], block.min(axis=(0, 1)), out=out[c0:c1])
 
 
 def solve(model: CostModel) -> Solution:
@@ -265,12 +291,16 @@ def solve(model: CostModel) -> Solution:
     top = len(topo.levels) - 1
     n = topo.levels[top].workers
     best = np.full((n + 1, L + 1), INF)  # best[w, i]: layers [i, L) on w units
+    rs = np.arange(1, n + 1, dtype=np.float64)[:, None]
     for i in range(L - 1, -1, -1):
         ks = np.arange(i + 1, L + 1)
+        rows = model.stage_rows(top, i, ks, n, inner)
+        bounds = model.boundary_ms(ks[None, :-1], rs, top)
         for w in range(1, n + 1):
-            single = model.stage_row(top, i, ks[-1:], w, inner)[w - 1, 0]
+            stage = model.fit(top, i, ks, w, rows)
+            single = stage[w - 1, -1]
             if w > 1 and i + 1 < L:
-                left = model.split_row(top, i, ks[:-1], w, inner)[: w - 1]
+                left = np.maximum(stage[: w - 1, :-1], bounds[: w - 1])
                 single = min(single, float(np.maximum(left, best[w - 1:0:-1, i + 1:L]).min()))
             best[w, i] = single
     objective = float(best[n, 0])

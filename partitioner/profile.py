@@ -117,6 +117,9 @@ class Profile:
             text = Path(path).read_text()
         except OSError as e:
             raise ProfileError(f"cannot read profile {path}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise ProfileError(f"{path}: not a text file ({e.reason} at byte {e.start}); expected profile.json"
+                               ) from None
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:

@@ -16,7 +16,7 @@ from partitioner.profile import LayerProfile, Profile, ProfileError
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.spec import ModelError, ModelSpec, build_model, parse_model_args
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 def tensors(x: Any) -> Iterator[torch.Tensor]:

@@ -70,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vertical-sync", action="store_true",
                    help="async: every stage uses the weight version stage 0 used (PipeDream §3.3)")
     p.add_argument("--layers-per-stage", default=None,
-                   help="with no --plan: comma-separated layer counts per stage instead of planning, e.g. 7,6,6,5")
+                   help="with no --plan: 'even', or comma-separated layer counts per stage (e.g. 8,6,6,6), instead "
+                        "of profiling and planning on the spot")
+    p.add_argument("--straight", action="store_true", help="planning on the spot: no replicated stages")
+    p.add_argument("--topology", default=None, help="planning on the spot: e.g. 8x300GB/s,4x25GB/s")
+    p.add_argument("--memory-per-worker", default=None, help="planning on the spot: e.g. 16GB")
     p.add_argument("--warmup", default="min",
                    help="1f1b forwards before the first backward, per stage: min (DAPPLE, S-1-s), fill (keep "
                         "early stages busy until their first gradient returns; more activation memory), or N,N,...")
@@ -98,7 +102,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def make_plan(args: argparse.Namespace, spec: ModelSpec, world_size: int, rank: int, mpi: Any) -> Plan:
-    """The plan from --plan, or an even / explicit split over world_size single-replica stages."""
+    """The plan from --plan; an even or explicit split (--layers-per-stage); otherwise rank 0 profiles
+    the layers and runs the planner for this many workers, and every rank gets its plan."""
     n = len(spec.layers)
     if args.plan:
         plan = Plan.load(args.plan)
@@ -110,8 +115,10 @@ def make_plan(args: argparse.Namespace, spec: ModelSpec, world_size: int, rank: 
         return plan
     from partitioner.plan import even_plan
 
+    if not args.layers_per_stage:
+        return plan_on_the_spot(args, spec, world_size, rank, mpi)
     counts = None
-    if args.layers_per_stage:
+    if args.layers_per_stage != "even":
         try:
             counts = [int(x) for x in args.layers_per_stage.split(",")]
         except ValueError:
@@ -121,6 +128,33 @@ def make_plan(args: argparse.Namespace, spec: ModelSpec, world_size: int, rank: 
             raise UsageError(f"--layers-per-stage gives {len(counts)} stages but -np is {world_size}")
     return even_plan(n, world_size, schedule=args.schedule or "1f1b", microbatches=args.microbatches or 8,
                      layer_counts=counts)
+
+
+def plan_on_the_spot(args: argparse.Namespace, spec: ModelSpec, world_size: int, rank: int, mpi: Any) -> Plan:
+    result: tuple[str, Any] = ("error", "rank 0 did not plan")
+    if rank == 0:
+        try:
+            from partitioner.cli import plan_from_profile
+            from partitioner.profiler import profile_model
+
+            device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+            t0 = time.perf_counter()
+            profile = profile_model(spec, args.microbatch_size, device, dtype=args.dtype, warmup=1, repeats=3,
+                                    seed=args.seed)
+            plan = plan_from_profile(profile, world_size, schedule=args.schedule or "1f1b",
+                                     microbatches=args.microbatches or 8, topology=args.topology,
+                                     memory_per_worker=args.memory_per_worker, straight=args.straight,
+                                     optimizer=args.optimizer)
+            log.info("profiled %d layers on %s and planned for %d workers in %.1f s (no --plan given); "
+                     "predicted %s", len(spec.layers), device, world_size, time.perf_counter() - t0,
+                     {k: v for k, v in plan.predicted.items() if k != "peak_memory_bytes"})
+            result = ("plan", plan.to_json())
+        except (ValueError, RuntimeError) as e:
+            result = ("error", f"planning on the spot failed: {e}")
+    kind, value = mpi.bcast(result, root=0)
+    if kind == "error":
+        raise UsageError(value)
+    return Plan.from_json(value, source="the plan made on the spot")
 
 
 def resolve_warmup(text: str, plan: Plan) -> list[int] | None:

@@ -20,12 +20,12 @@ def mpi_env() -> dict[str, str]:
 
 
 def run_mpi(np: int, args: list[str], *, timeout: float = 180, module: str = "pipeflow.train",
-            check: bool = True) -> subprocess.CompletedProcess[str]:
+            check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`mpirun -np N python -m module args`; a hang fails the test through the timeout."""
     if MPIRUN is None:
         pytest.fail("mpirun not found: install the package (it depends on mpich) or set PIPEFLOW_MPIRUN")
     cmd = [MPIRUN, "-np", str(np), sys.executable, "-m", module, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**mpi_env(), **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout}\n"
                              f"stderr:\n{proc.stderr}")

@@ -20,6 +20,7 @@ STEPS, M, B = 3, 4, 2
 def test_pipeline_equals_single_process(tmp_path, model, schedule, np_):
     out = tmp_path / "model.pt"
     run_mpi(np_, ["--model", model, "--model-args", json.dumps(MODELS[model]), "--schedule", schedule,
+                  "--layers-per-stage", "even",
                   "--steps", str(STEPS), "--microbatches", str(M), "--microbatch-size", str(B),
                   "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9", "--dtype", "float64",
                   "--device", "cpu", "--save", str(out)])
@@ -38,7 +39,8 @@ def test_1f1b_with_deeper_warmup_equals_single_process(tmp_path):
     """--warmup fill changes only when backwards run, not what they compute."""
     out = tmp_path / "model.pt"
     run_mpi(4, ["--model", "gpt", "--model-args", json.dumps(MODELS["gpt"]), "--schedule", "1f1b",
-                "--warmup", "fill", "--steps", str(STEPS), "--microbatches", str(M), "--microbatch-size", str(B),
+                "--layers-per-stage", "even", "--warmup", "fill", "--steps", str(STEPS), "--microbatches", str(M),
+                "--microbatch-size", str(B),
                 "--optimizer", "sgd", "--lr", "0.05", "--dtype", "float64", "--device", "cpu", "--save", str(out)])
     got = torch.load(out, weights_only=True)
     want = reference_flush("gpt", MODELS["gpt"], steps=STEPS, microbatches=M, microbatch_size=B, optimizer="sgd",

@@ -39,3 +39,16 @@ def test_replicated_plan_equals_single_process(tmp_path, schedule, stages):
     assert list(got) == list(want)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-11)
+
+
+def test_plan_on_the_spot_equals_single_process(tmp_path):
+    """No --plan: rank 0 profiles and plans for -np 3; whatever it picks trains like one process."""
+    out = tmp_path / "model.pt"
+    proc = run_mpi(3, ["--model", "mlp", "--model-args", json.dumps(MLP), "--steps", str(STEPS), "--microbatches",
+                       str(M), "--microbatch-size", str(B), "--optimizer", "sgd", "--lr", "0.05", "--dtype", "float64",
+                       "--device", "cpu", "--save", str(out)], env={"PIPEFLOW_LOG": "INFO"})
+    assert "planned for 3 workers" in proc.stderr
+    got = torch.load(out, weights_only=True)
+    want = reference_flush("mlp", MLP, steps=STEPS, microbatches=M, microbatch_size=B, optimizer="sgd", lr=0.05)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-11)

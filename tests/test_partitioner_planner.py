@@ -1,0 +1,195 @@
+"""The DP against exhaustive search under the same cost model, topology parsing, memory limits."""
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from partitioner.planner import INF, CostModel, LayerCosts, Node, PlanningError, evaluate, flatten, solve
+from partitioner.topology import Level, Topology, TopologyError, parse_bandwidth, parse_bytes
+
+
+def compositions(n: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Ordered tuples of `parts` positive integers summing to n."""
+    for cuts in itertools.combinations(range(1, n), parts - 1):
+        bounds = (0, *cuts, n)
+        yield tuple(bounds[t + 1] - bounds[t] for t in range(parts))
+
+
+def all_trees(topo: Topology, level: int, i: int, j: int, units: int) -> Iterator[Node]:
+    """Every hierarchical plan of layers [i, j) on `units` units of `level`: contiguous stages, each on
+    some units, each (above level 0) running a plan of its layers on one whole group of the level below."""
+    for parts in range(1, min(j - i, units) + 1):
+        for lens in compositions(j - i, parts):
+            starts = list(itertools.accumulate((i, *lens)))
+            for us in compositions(units, parts):
+                ranges = [(starts[t], starts[t + 1], us[t]) for t in range(parts)]
+                if level == 0:
+                    yield Node(0, [(a, b, u, None) for a, b, u in ranges])
+                    continue
+                below = topo.levels[level - 1].workers
+                children = [list(all_trees(topo, level - 1, a, b, below)) for a, b, _ in ranges]
+                for combo in itertools.product(*children):
+                    yield Node(level, [(a, b, u, c) for (a, b, u), c in zip(ranges, combo)])
+
+
+def exhaustive(model: CostModel) -> float:
+    topo = model.topology
+    top = len(topo.levels) - 1
+    return min((evaluate(model, t) for t in all_trees(topo, top, 0, model.num_layers, topo.levels[top].workers)),
+               default=INF)
+
+
+def random_model(rng: random.Random) -> CostModel:
+    n_layers = rng.randint(1, 10)
+    shapes = [(w,) for w in range(1, 7)] + [(a, b) for a in range(1, 4) for b in range(1, 4) if a * b <= 6]
+    shape = rng.choice(shapes)
+    levels = tuple(Level(n, rng.choice([1e6, 1e7, 1e8, 1e9])) for n in shape)
+    lay = LayerCosts.of([rng.uniform(0, 5) for _ in range(n_layers)], [rng.uniform(0, 10) for _ in range(n_layers)],
+                        [rng.choice([0, 1e3, 1e5, 1e6]) for _ in range(n_layers)],
+                        [rng.uniform(0, 1e6) for _ in range(n_layers)],
+                        [rng.choice([0, 1e4, 1e6, 1e7]) for _ in range(n_layers)])
+    memory = rng.choice([None, None, rng.uniform(1e6, 2e8)])
+    return CostModel(lay, Topology(levels), rng.choice(["gpipe", "1f1b", "async", "2bw"]), rng.randint(1, 8),
+                     rng.choice(["sgd", "adam"]), memory, rng.random() < 0.25)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_dp_equals_exhaustive_search(seed: int) -> None:
+    model = random_model(random.Random(seed))
+    want = exhaustive(model)
+    if want == INF:
+        with pytest.raises(PlanningError):
+            solve(model)
+        return
+    sol = solve(model)
+    assert sol.objective_ms == pytest.approx(want, rel=1e-12)
+    # The traced plan is a real plan of that cost, using every worker exactly once.
+    assert evaluate(model, sol.tree) == pytest.approx(want, rel=1e-12)
+    ranks = sorted(r for st in sol.stages for r in st.ranks)
+    assert ranks == list(range(model.topology.workers))
+    assert [s.start for s in sol.stages] == [0] + [s.end for s in sol.stages[:-1]]
+    assert sol.stages[-1].end == model.num_layers
+
+
+def uniform(n_layers: int, *, f: float = 1.0, params: float = 0.0, out: float = 0.0, act: float = 0.0) -> LayerCosts:
+    return LayerCosts.of([f] * n_layers, [2 * f] * n_layers, [out] * n_layers, [act] * n_layers,
+                         [params] * n_layers)
+
+
+def test_straight_uniform_layers_split_evenly() -> None:
+    model = CostModel(uniform(8), Topology.default(4), "1f1b", 4, straight=True)
+    sol = solve(model)
+    assert [(s.start, s.end) for s in sol.stages] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert sol.objective_ms == pytest.approx(4 * 2 * 3.0)
+
+
+def test_heavy_parameters_over_slow_links_prefer_pipeline_light_ones_replicate() -> None:
+    slow = Topology((Level(4, 1e6),))
+    pipe = solve(CostModel(uniform(8, params=1e8), slow, "1f1b", 8))
+    assert [len(s.ranks) for s in pipe.stages] == [1, 1, 1, 1]
+    dp = solve(CostModel(uniform(8, out=1e8), slow, "1f1b", 8))
+    assert [len(s.ranks) for s in dp.stages] == [4]
+
+
+def test_hierarchical_ranks_pack_replicas_into_groups() -> None:
+    # Big activations: a pipeline boundary across the slow level costs 80 ms, so each group holds a
+    # whole replica (all-reduce 0.4 ms); inside a group the fast links hide the boundary (0.8 ms < 24 ms
+    # compute), which beats in-group data parallelism by its all-reduce.
+    topo = Topology.parse("2x100GB/s,2x1GB/s")
+    lay = LayerCosts.of([1] * 4, [2] * 4, [1e7] * 4, [0] * 4, [1e5] * 4)
+    sol = solve(CostModel(lay, topo, "1f1b", 4))
+    assert sol.objective_ms == pytest.approx(12.4)
+    assert [(s.start, s.end) for s in sol.stages] == [(0, 2), (2, 4)]
+    assert [sorted(s.ranks) for s in sol.stages] == [[0, 2], [1, 3]]
+    assert [s.factors for s in sol.stages] == [[1, 2], [1, 2]]
+    assert topo.level_of(0, 1) == 0 and topo.level_of(1, 2) == 1
+
+
+def test_flatten_nested_ranks() -> None:
+    topo = Topology.parse("3x1GB/s,2x1GB/s")
+    inner = Node(0, [(0, 1, 2, None), (1, 2, 1, None)])
+    tree = Node(1, [(0, 2, 2, inner)])
+    leaves = flatten(tree, topo)
+    assert [sorted(s.ranks) for s in leaves] == [[0, 1, 3, 4], [2, 5]]
+    assert [s.in_level for s in leaves] == [None, 0]
+
+
+def test_memory_limit_forces_more_stages() -> None:
+    # Boundaries (1600 ms) cost more than the all-reduce (12 ms): data parallel, unless memory forbids it.
+    lay = uniform(8, params=1e6, out=1e8)
+    topo = Topology.parse("4x1GB/s")
+    free = solve(CostModel(lay, topo, "1f1b", 8, "sgd"))
+    assert len(free.stages) == 1 and free.objective_ms == pytest.approx(60.0)
+    # Data parallel holds all 8 layers' weights, gradients, momentum: 24 MB per worker.
+    tight = CostModel(lay, topo, "1f1b", 8, "sgd", memory_per_worker=20e6)
+    sol = solve(tight)
+    assert len(sol.stages) > 1
+    for st in sol.stages:
+        r = len(st.ranks)
+        down = sum(len(s.ranks) for s in sol.stages if s.start >= st.start)
+        assert tight.memory_bytes(st.start, st.end, r, down) <= 20e6
+
+
+def test_memory_per_schedule() -> None:
+    lay = uniform(4, params=10.0, act=100.0)
+    topo = Topology.default(4)
+    mem = {s: float(CostModel(lay, topo, s, 8, "adam").memory_bytes(0, 2, 1, 4)) for s in ("gpipe", "1f1b",
+                                                                                              "async", "2bw")}
+    assert mem["gpipe"] == 20 * 4 + 8 * 200  # weights+grads+2 adam states, all 8 microbatches
+    assert mem["1f1b"] == 20 * 4 + 4 * 200  # warmup_forwards + 1 = 4
+    assert mem["async"] == 20 * (4 + 4) + 4 * 200  # plus a stashed version per in-flight microbatch
+    assert mem["2bw"] == 20 * 5 + 4 * 200
+
+
+@pytest.mark.parametrize("text,bps", [("300GB/s", 300e9), ("25GiB/s", 25 * 2**30), ("100Gb/s", 12.5e9),
+                                      ("1e9B/s", 1e9), ("10 GBps", 10e9)])
+def test_parse_bandwidth(text: str, bps: float) -> None:
+    assert parse_bandwidth(text) == pytest.approx(bps)
+
+
+@pytest.mark.parametrize("text,n", [("16GB", 16 * 10**9), ("16GiB", 16 * 2**30), ("512MiB", 512 * 2**20),
+                                    ("1e9", 10**9), ("2048", 2048), ("1.5G", 1.5e9)])
+def test_parse_bytes(text: str, n: int) -> None:
+    assert parse_bytes(text) == n
+
+
+def test_topology_parse() -> None:
+    topo = Topology.parse("8x300GB/s,4x25GB/s", 32)
+    assert topo.workers == 32 and [lv.workers for lv in topo.levels] == [8, 4]
+    assert topo.levels[1].bandwidth == 25e9
+    assert str(topo) == "8x300GB/s,4x25GB/s"
+    assert Topology.default(6).levels == (Level(6, 10e9),)
+
+
+@pytest.mark.parametrize("text,workers,msg", [
+    ("8x300GB/s,4x25GB/s", 16, "--workers 16 does not match --topology '8x300GB/s,4x25GB/s', which has 8x4 = 32"),
+    ("8x300", 8, "--topology '8x300': bandwidth must look like 300GB/s"),
+    ("eightx1GB/s", 8, "--topology must be comma-separated levels COUNTxBANDWIDTH"),
+    ("0x1GB/s", 0, "--topology must be comma-separated levels"),
+])
+def test_topology_errors(text: str, workers: int, msg: str) -> None:
+    with pytest.raises(TopologyError) as e:
+        Topology.parse(text, workers)
+    assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_sizes() -> None:
+    with pytest.raises(TopologyError, match="--memory-per-worker must be a size such as 16GB"):
+        parse_bytes("lots")
+
+
+def test_straight_needs_enough_layers() -> None:
+    with pytest.raises(PlanningError):
+        solve(CostModel(uniform(3), Topology.default(4), "1f1b", 4, straight=True))
+
+
+def test_speed_smoke() -> None:
+    rng = np.random.default_rng(0)
+    lay = LayerCosts.of(rng.uniform(1, 2, 64), rng.uniform(2, 4, 64), rng.uniform(0, 1e6, 64), rng.uniform(0, 1e6, 64),
+                        rng.uniform(0, 1e7, 64))
+    sol = solve(CostModel(lay, Topology.parse("4x100GB/s,4x10GB/s"), "1f1b", 16))
+    assert sorted(r for s in sol.stages for r in s.ranks) == list(range(16))

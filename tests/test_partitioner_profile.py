@@ -1,0 +1,155 @@
+"""profile.json round trip and validation messages; the profiler on the built-in models."""
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from partitioner.profile import LayerProfile, Profile, ProfileError
+from partitioner.profiler import profile_model, tensors
+from pipeflow.data.loader import MicrobatchLoader
+from pipeflow.spec import build_model
+
+GOOD: dict[str, Any] = {
+    "format": "pipeflow.profile/1", "model": "gpt", "model_args": {"layers": 4}, "device": "cpu",
+    "dtype": "float32", "microbatch_size": 2,
+    "layers": [{"name": f"l{i}", "forward_ms": 0.8 + i, "backward_ms": 1.7, "output_bytes": 65536,
+                "activation_bytes": 262144, "parameter_bytes": 1048576} for i in range(4)]}
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> None:
+    torch.set_num_threads(1)  # tiny ops: threads only add noise on a shared 2-core machine
+
+
+def write(tmp_path: Path, d: Any) -> Path:
+    p = tmp_path / "profile.json"
+    p.write_text(json.dumps(d))
+    return p
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    prof = Profile.load(write(tmp_path, GOOD))
+    assert prof.layers[3] == LayerProfile("l3", 3.8, 1.7, 65536, 262144, 1048576)
+    out = tmp_path / "again.json"
+    prof.save(out)
+    assert json.loads(out.read_text()) == GOOD
+    assert Profile.load(out) == prof
+
+
+def _broken(path: str, value: Any) -> dict[str, Any]:
+    d = copy.deepcopy(GOOD)
+    *keys, last = path.split(".")
+    target: Any = d
+    for k in keys:
+        target = target[int(k)] if isinstance(target, list) else target[k]
+    if value is _DELETE:
+        del target[last]
+    else:
+        target[last] = value
+    return d
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize("path,value,message", [
+    ("layers.3.forward_ms", -1, "profile.json: layers[3].forward_ms must be a non-negative number, found -1"),
+    ("layers.0.backward_ms", "fast", 'profile.json: layers[0].backward_ms must be a non-negative number, found "fast"'),
+    ("layers.1.output_bytes", None, "profile.json: layers[1].output_bytes must be a non-negative number, found null"),
+    ("layers.2.activation_bytes", True,
+     "profile.json: layers[2].activation_bytes must be a non-negative number, found true"),
+    ("layers.2.parameter_bytes", -5, "profile.json: layers[2].parameter_bytes must be a non-negative number, found -5"),
+    ("layers.2.parameter_bytes", _DELETE, "profile.json: layers[2]: missing field 'parameter_bytes'"),
+    ("layers.1.name", 7, "profile.json: layers[1].name must be a string, found 7"),
+    ("format", "pipeflow.profile/0", "profile.json: format is \"pipeflow.profile/0\", expected 'pipeflow.profile/1'"),
+    ("microbatch_size", 0, "profile.json: microbatch_size must be a positive integer, found 0"),
+    ("microbatch_size", _DELETE, "profile.json: missing field 'microbatch_size'"),
+    ("dtype", "int8", 'profile.json: dtype must be one of float32, bfloat16, float16, float64, found "int8"'),
+    ("layers", [], "profile.json: layers is empty: expected one entry per model layer"),
+    ("layers", {"a": 1}, 'profile.json: layers must be a list, found {"a": 1}'),
+    ("model_args", [1], "profile.json: model_args must be an object, found [1]"),
+])
+def test_validation_messages(tmp_path: Path, path: str, value: Any, message: str) -> None:
+    with pytest.raises(ProfileError) as e:
+        Profile.load(write(tmp_path, _broken(path, value)))
+    assert str(e.value) == message
+
+
+def test_not_json_and_missing_file(tmp_path: Path) -> None:
+    p = tmp_path / "profile.json"
+    p.write_text("{oops")
+    with pytest.raises(ProfileError, match=r"profile.json: not valid JSON \(Expecting property name"):
+        Profile.load(p)
+    with pytest.raises(ProfileError, match="cannot read profile .*nope.json: No such file"):
+        Profile.load(tmp_path / "nope.json")
+
+
+def _output_bytes(spec: Any, b: int) -> list[int]:
+    x, _ = MicrobatchLoader(spec.dataset, b).microbatch(0)
+    sizes = []
+    with torch.no_grad():
+        for layer in spec.layers:
+            x = layer(x)
+            sizes.append(sum(t.numel() * t.element_size() for t in tensors(x)))
+    return sizes
+
+
+@pytest.mark.parametrize("model,args", [("mlp", {"layers": 5, "hidden": 32}),
+                                        ("gpt", {"layers": 2, "d_model": 32, "heads": 2, "seq_len": 16,
+                                                 "dataset": "synthetic", "dataset_size": 64})])
+def test_profiler_on_builtin_models(model: str, args: dict[str, Any]) -> None:
+    spec = build_model(model, args)
+    prof = profile_model(spec, 4, "cpu", warmup=1, repeats=3)
+    assert len(prof.layers) == len(spec.layers)
+    assert (prof.model, prof.model_args, prof.device, prof.dtype, prof.microbatch_size) == \
+        (model, args, "cpu", "float32", 4)
+    for layer in prof.layers:
+        assert layer.forward_ms > 0 and layer.backward_ms > 0
+        assert layer.output_bytes > 0 and layer.activation_bytes > 0 and layer.parameter_bytes > 0
+    ref = build_model(model, args)
+    assert [layer.output_bytes for layer in prof.layers] == _output_bytes(ref, 4)
+    assert [layer.parameter_bytes for layer in prof.layers] == \
+        [sum(p.numel() * 4 for p in m.parameters()) for m in ref.layers]
+
+
+def test_activation_bytes_of_a_linear_layer() -> None:
+    # Linear(16, 8) keeps its input (4 x 16 floats) for the weight gradient; ReLU keeps its output.
+    spec = build_model("mlp", {"layers": 2, "d_in": 16, "hidden": 8, "classes": 3})
+    prof = profile_model(spec, 4, "cpu", warmup=0, repeats=1)
+    first = prof.layers[0]  # fc(x) -> relu(h), h
+    assert first.activation_bytes == 4 * 16 * 4 + 4 * 8 * 4
+    assert first.output_bytes == 2 * 4 * 8 * 4
+
+
+def test_profile_cli(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    r = subprocess.run([sys.executable, "-m", "partitioner.profiler", "--model", "mlp", "--model-args",
+                        '{"layers": 3}', "--microbatch-size", "2", "--warmup", "0", "--repeats", "1", "-o", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert len(Profile.load(out).layers) == 3
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "nope"], "unknown model 'nope'"),
+    (["--model", "mlp", "--model-args", "{bad"], "--model-args must be a JSON object"),
+    (["--model", "mlp", "--model-args", '{"width": 3}'], "do not fit model 'mlp'"),
+    (["--model", "mlp", "--model-args", '{"layers": 1}'], "mlp needs layers >= 2"),
+    (["--model", "mlp", "--repeats", "0"], "need --warmup >= 0 and --repeats >= 1"),
+])
+def test_profile_cli_bad_model(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],
+                               message: str) -> None:
+    from partitioner.profiler import main
+    assert main([*args, "--microbatch-size", "2", "-o", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("pipeflow-profile: error: ")
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "p.json").exists()
+
