@@ -78,6 +78,9 @@ def build_model(model: str, model_args: dict[str, Any] | None = None, *, seed: i
         spec = builder(**(model_args or {}))
     except TypeError as e:
         raise ModelError(f"--model-args {json.dumps(model_args or {})} do not fit model {model!r}: {e}") from None
+    except (ValueError, RuntimeError, OverflowError, MemoryError) as e:  # e.g. a negative or huge size
+        raise ModelError(f"model {model!r} cannot be built with --model-args {json.dumps(model_args or {})}: "
+                         f"{type(e).__name__}: {e}") from None
     if not isinstance(spec, ModelSpec):
         raise ModelError(f"model builder {model!r} returned {type(spec).__name__}, expected pipeflow.ModelSpec")
     spec.name = spec.name or model

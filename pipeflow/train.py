@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace, comm: Any, watchdog: Any) -> int:
-    from pipeflow.failure import AgreedError, StopTraining
+    from pipeflow.failure import EXIT_NONFINITE, AgreedError, NonFiniteError, StopTraining
 
     rank, size = comm.Get_rank(), comm.Get_size()
     # Set-up errors are the same on every rank (same flags, files, model): each rank reports and exits;
@@ -238,6 +238,10 @@ def _main(args: argparse.Namespace, comm: Any, watchdog: Any) -> int:
     except AgreedError as e:
         print(f"pipeflow-train: error: [rank {rank}] {e}", file=sys.stderr, flush=True)
         return 2
+    except NonFiniteError as e:  # asynchronous schedules: no common boundary to stop at together
+        print(f"pipeflow-train: error: [rank {rank}] {e}", file=sys.stderr, flush=True)
+        comm.Abort(EXIT_NONFINITE)
+        return EXIT_NONFINITE
     except (UsageError, PlanError, ScheduleError) as e:
         print(f"pipeflow-train: error: [rank {rank}] {e}", file=sys.stderr, flush=True)
         comm.Abort(2)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Side-by-side GPT benchmark on 4 GPUs of one host: pipeflow vs torch.distributed.pipelining.
 # Run from the repository root on the GPU machine, after `source .dev/device-env.sh` (wheels for mpi4py/MPICH).
-#   bash benchmarks/gpu/run.sh [which...]    which: smoke pf-1f1b pf-gpipe pf-1f1b-even torch-1f1b torch-gpipe torch-1f1b-even
+#   bash benchmarks/gpu/run.sh [which...]    which: smoke pf-1f1b pf-1f1b-fill pf-2bw pf-gpipe pf-1f1b-even
+#                                                   torch-1f1b torch-gpipe torch-1f1b-even
 # Results: lines `RESULT ...` on stdout (and in $OUT/results.txt when OUT is set).
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=8 PIPEFLOW_LOG=INFO
@@ -33,6 +34,8 @@ for w in "${@:-smoke pf-1f1b torch-1f1b pf-gpipe torch-gpipe}"; do
                --steps 4 --log-every 2 2>&1 || { echo "RESULT smoke FAILED" | tee -a "$RES"; exit 1; } ;;
       pf-1f1b) pf 1f1b 1f1b 8,6,6,6 ;;
       pf-1f1b-even) pf 1f1b-even 1f1b 7,6,6,7 ;;
+      pf-1f1b-fill) PF_EXTRA="--warmup fill" pf 1f1b-fill 1f1b 8,6,6,6 ;;
+      pf-2bw) pf 2bw 2bw 8,6,6,6 ;;
       pf-gpipe) pf gpipe gpipe 8,6,6,6 ;;
       torch-1f1b) tpp 1f1b 1F1B 8,6,6,6 ;;
       torch-1f1b-even) tpp 1f1b-even 1F1B 7,6,6,7 ;;

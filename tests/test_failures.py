@@ -1,0 +1,121 @@
+"""Failures under mpirun: a signal stops all ranks with a checkpoint, a dead or stopped rank ends the
+job within --timeout naming it, NaN/inf stops (or is skipped) with the step and stage."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import TensorDataset
+
+from pipeflow.models import mlp
+from pipeflow.spec import ModelSpec
+from tests.conftest import MPIRUN, mpi_env, run_mpi
+
+MLP = {"layers": 6, "hidden": 16, "d_in": 8, "samples": 256}
+LONG = ["--model", "mlp", "--model-args", json.dumps(MLP), "--layers-per-stage", "even", "--microbatches", "4",
+        "--microbatch-size", "2",
+        "--device", "cpu", "--steps", "1000000"]
+TIMEOUT = 6  # --timeout of the failure runs: seconds until a silent rank counts as failed
+
+
+def nan_mlp(bad_sample: int = 16, **kw: int) -> ModelSpec:
+    """The mlp with a NaN input at `bad_sample`: with --no-shuffle, 4 microbatches of 2, step 3's first."""
+    spec = mlp.build(**kw)
+    x, y = spec.dataset.tensors  # type: ignore[attr-defined]
+    x = x.clone()
+    x[bad_sample, 0] = float("nan")
+    spec.dataset = TensorDataset(x, y)
+    return spec
+
+
+def start(tmp_path: Path, np_: int, args: list[str]) -> tuple[subprocess.Popen[str], dict[int, int]]:
+    """Start mpirun in the background; return it with {rank: pid} once every rank trains."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    env = {**mpi_env(), "PIPEFLOW_PID_DIR": str(pids)}
+    proc = subprocess.Popen([str(MPIRUN), "-np", str(np_), sys.executable, "-m", "pipeflow.train", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.monotonic() + 90
+    while len(list(pids.iterdir())) < np_ or not (tmp_path / "ck").exists():
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "the ranks did not start training"
+        time.sleep(0.2)
+    return proc, {int(p.stem[4:]): int(p.read_text()) for p in pids.iterdir()}
+
+
+def finish(proc: subprocess.Popen[str], pids: dict[int, int], limit: float) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        for pid in pids.values():  # ranks we started: SIGKILL also ends a stopped one
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        raise AssertionError(f"the job did not end within {limit} s: {proc.communicate()[0]}") from None
+    return proc.returncode, out, time.monotonic() - t0
+
+
+def training_args(tmp_path: Path) -> list[str]:
+    # A checkpoint every step: the ck directory appearing tells that training is under way.
+    return [*LONG, "--timeout", str(TIMEOUT), "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1"]
+
+
+def test_sigterm_on_one_rank_stops_all_with_a_checkpoint(tmp_path):
+    proc, pids = start(tmp_path, 2, training_args(tmp_path))
+    os.kill(pids[1], signal.SIGTERM)
+    rc, out, _ = finish(proc, pids, 60)
+    assert rc != 0, out
+    msgs = [line for line in out.splitlines() if line.startswith("pipeflow-train:")]
+    assert len(msgs) == 1 and "stopped by SIGTERM (received by rank 1)" in msgs[0], out
+    step = int(re.search(r"after step (\d+)", msgs[0]).group(1))
+    assert f"step-{step:06d}" in msgs[0]
+    assert (tmp_path / "ck" / f"step-{step:06d}" / "COMPLETE").is_file()
+    assert "Traceback" not in out
+
+
+def test_stopped_rank_ends_the_job_within_timeout(tmp_path):
+    proc, pids = start(tmp_path, 3, training_args(tmp_path))
+    os.kill(pids[2], signal.SIGSTOP)
+    rc, out, took = finish(proc, pids, TIMEOUT + 30)
+    assert rc != 0
+    assert took < TIMEOUT + 10, f"{took:.1f} s"
+    assert re.search(r"rank 2 stopped responding", out), out
+
+
+def test_killed_rank_ends_the_job_naming_it(tmp_path):
+    proc, pids = start(tmp_path, 2, training_args(tmp_path))
+    os.kill(pids[1], signal.SIGKILL)
+    rc, out, took = finish(proc, pids, TIMEOUT + 30)
+    assert rc != 0
+    assert took < TIMEOUT + 10, f"{took:.1f} s"
+    # MPICH's mpirun ends the job itself at once, naming the dead process by its pid; launchers that let
+    # the job run on leave it to pipeflow's gloo errors and heartbeats, which name the rank.
+    assert "rank 1 stopped responding" in out or f"PID {pids[1]} " in out, out
+
+
+def test_nonfinite_loss_stops_with_step_and_stage(tmp_path):
+    args = ["--model", "tests.test_failures:nan_mlp", "--model-args", json.dumps(MLP), "--no-shuffle",
+            "--layers-per-stage", "even",
+            "--microbatches", "4", "--microbatch-size", "2", "--device", "cpu", "--steps", "5",
+            "--optimizer", "sgd", "--lr", "0.05", "--timeout", "60"]
+    proc = run_mpi(2, args, timeout=120, check=False)
+    assert proc.returncode == 4, proc.stderr
+    msgs = [line for line in proc.stderr.splitlines() if line.startswith("pipeflow-train:")]
+    assert msgs == ["pipeflow-train: non-finite loss on stage 1 (the last) and gradients on stages 0, 1 at step 3; "
+                    "the update was not applied. Lower --lr, check the data, or pass --skip-nonfinite to skip such "
+                    "steps"], proc.stderr
+    out = tmp_path / "model.pt"
+    proc = run_mpi(2, [*args, "--skip-nonfinite", "--save", str(out)], timeout=120)
+    assert "non-finite loss on stage 1 (the last) and gradients on stages 0, 1 at step 3: step skipped" in proc.stderr
+    model = torch.load(out, weights_only=True)
+    assert all(v.isfinite().all() for v in model.values())
