@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,3 +39,67 @@ def reference_flush(model: str, model_args: dict[str, Any], *, steps: int, micro
 
 def args_json(d: dict[str, Any]) -> str:
     return json.dumps(d)
+
+
+def weight_versions(schedule: str, replicas: list[int], *, minibatch: int,
+                    vertical_sync: bool = False) -> list[Callable[[int], int]]:
+    """Per stage, t -> the weight version microbatch t uses (DESIGN.md, Schedules; stash.py's docstring).
+
+    async: stage s uses the version current at its forward in 1F1B(-RR), max(0, t // r_s - w_s) with
+    w_s = ceil(sum(r[s:]) / r_s) - 1 warm-up forwards (no replicas: max(0, t - n + j), j = s + 1);
+    vertical sync: the updates built from the microbatches stage 0 had applied, c = r_0 * v_0(t),
+    i.e. version c // r_s. 2bw: minibatch k = t // m uses max(0, k - 1) everywhere."""
+    n = len(replicas)
+    if schedule == "2bw":
+        return [lambda t: max(0, t // minibatch - 1) for _ in range(n)]
+    warm = [math.ceil(sum(replicas[s:]) / replicas[s]) - 1 for s in range(n)]
+
+    def latest(s: int, t: int) -> int:
+        return max(0, t // replicas[s] - warm[s])
+
+    if vertical_sync:
+        return [lambda t, s=s: replicas[0] * latest(0, t) // replicas[s] for s in range(n)]
+    return [lambda t, s=s: latest(s, t) for s in range(n)]
+
+
+def reference_delayed(model: str, model_args: dict[str, Any], *, schedule: str, stages: list[tuple[int, int]],
+                      steps: int, microbatches: int, microbatch_size: int, optimizer: str = "sgd",
+                      lr: float = 0.05, momentum: float = 0.0, vertical_sync: bool = False, seed: int = 0,
+                      dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """async / 2bw semantics, one microbatch at a time: microbatch t runs forward and backward through
+    every stage s with version v_s(t) of its weights; stage s's update u (u + 1 updates in all) takes
+    the summed gradients of microbatches [u U_s, (u + 1) U_s) and is applied to its latest weights,
+    U_s = replicas of s for async (loss scale 1), m for 2bw (loss scale 1/m).
+    `stages` is [(layer count, replicas)]."""
+    spec = build_model(model, model_args, seed=seed)
+    net = nn.Sequential(*spec.layers).to(dtype)
+    bounds = [sum(c for c, _ in stages[:s]) for s in range(len(stages) + 1)]
+    mods = [net[bounds[s]:bounds[s + 1]] for s in range(len(stages))]
+    reps = [r for _, r in stages]
+    version = weight_versions(schedule, reps, minibatch=microbatches, vertical_sync=vertical_sync)
+    per_update = reps if schedule == "async" else [microbatches] * len(stages)
+    scale = 1.0 if schedule == "async" else 1.0 / microbatches
+    opts = [make_optimizer(optimizer, mod.parameters(), lr, momentum) for mod in mods]
+    history = [[{k: v.detach().clone() for k, v in mod.named_parameters()}] for mod in mods]
+    pending: list[dict[str, torch.Tensor]] = [{} for _ in mods]
+    loader = MicrobatchLoader(spec.dataset, microbatch_size, seed=seed)
+    for t in range(steps * microbatches):
+        x, y = loader.microbatch(t)
+        x = x.to(dtype) if x.is_floating_point() else x
+        used = []
+        for s, mod in enumerate(mods):
+            w = {k: v.detach().requires_grad_(True) for k, v in history[s][version[s](t)].items()}
+            used.append(w)
+            x = torch.func.functional_call(mod, w, (x,))
+        (spec.loss_fn(x, y) * scale).backward()
+        for s, mod in enumerate(mods):
+            for k, v in used[s].items():
+                g = v.grad if v.grad is not None else torch.zeros_like(v)
+                pending[s][k] = pending[s][k] + g if k in pending[s] else g
+            if (t + 1) % per_update[s] == 0:
+                for k, p in mod.named_parameters():
+                    p.grad = pending[s].pop(k)
+                opts[s].step()
+                opts[s].zero_grad()
+                history[s].append({k: v.detach().clone() for k, v in mod.named_parameters()})
+    return {k: v.detach() for k, v in net.state_dict().items()}

@@ -1,0 +1,235 @@
+"""Weight versions for the asynchronous schedules: PipeDream weight stashing, vertical sync and 2BW.
+
+Semantics (DESIGN.md, Schedules). Version k of a stage is its weights after k optimizer updates.
+A microbatch t runs its forward *and* its backward with one version v_s(t); its gradient is
+applied to the latest weights (PipeDream SOSP'19 §3.3, weight stashing):
+
+- ``async``: stage s (0-based; j = s+1) steps after every backward. Without replicas
+  v_s(t) = max(0, t - n + j): the version that is current when F(t) runs in 1F1B.
+  ``--vertical-sync``: every stage uses max(0, t - n + 1), the version stage 0 used (§3.3).
+- ``2bw`` (PipeDream-2BW ICML'21 §3.1): minibatch k = microbatches [km, km+m) uses version
+  max(0, k-1) on every stage, gradients are accumulated over its m microbatches (loss / m) and
+  W(k+1) = W(k) - lr * grad f(W(k-1)); the generic optimizer gets that gradient for the live W(k).
+
+Replicated stages (1F1B-RR). Replica q of a stage with r replicas runs microbatches t = q (mod r).
+At every STEP the replicas all-reduce (sum) their gradients, so one update consumes one backward
+per replica: for ``async`` update u of the stage sums the gradients of microbatches ur .. ur+r-1
+(each of loss scale 1, so every microbatch enters every stage's updates with weight lr, whatever the
+replica count); for ``2bw`` it sums the replicas' shares of minibatch u (loss / m each: the
+minibatch mean, as in the flush schedules). With replicas, v_s(t) generalises to the version that
+is current at F(t): max(0, floor(t / r_s) - w_s), w_s = schedule.warmup_forwards(replicas, s);
+vertical sync uses, on every stage, the updates built from the c(t) = r_0 * v_0(t) microbatches
+stage 0 had applied: v_s(t) = floor(c(t) / r_s). 2BW's version depends on k only.
+
+Memory. A forward whose backward comes before the next STEP of its worker runs on the live
+parameters; any other runs on a *copy* of its version, taken from a pool of buffers and never
+modified while a graph references it: the optimizer writes the live parameters in place, copies
+are only written when free. Nothing swaps ``param.data`` under a live graph (the breakage of
+PipeDream's runtime on newer PyTorch): the copies are bound into the module as parameters for the
+forward only, and their gradients are added to the live parameters' ``.grad`` after the backward.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from pipeflow.engine import WeightPolicy
+from pipeflow.schedule import Action, Schedule, ScheduleError, warmup_forwards
+
+log = logging.getLogger(__name__)
+
+VersionFn = Callable[[int], int]
+
+
+def version_fn(sched: Schedule, stage: int, *, minibatch: int, vertical_sync: bool = False) -> VersionFn:
+    """t -> the version of `stage`'s weights that microbatch t uses (module docstring)."""
+    reps = sched.replicas
+    if sched.name == "2bw":
+        if vertical_sync:
+            raise ScheduleError("--vertical-sync applies to the async schedule; 2bw is already vertical")
+        return lambda t: max(0, t // minibatch - 1)
+    if sched.name != "async":
+        raise ScheduleError(f"weight versions are for async and 2bw, found schedule {sched.name!r}")
+    if minibatch % reps[stage]:
+        # One update takes r microbatches; minibatch boundaries (loss reports, the failure supervisor's
+        # agreement) must fall on an update of every stage, or a replicated stage waits for the next one.
+        raise ScheduleError(f"async: stage {stage} has {reps[stage]} replicas, which must divide the microbatches "
+                            f"per minibatch, found m={minibatch}; use --microbatches a multiple of {reps[stage]}")
+
+    def latest(s: int, t: int) -> int:  # updates stage s has made when F(t) runs in 1F1B(-RR)
+        return max(0, t // reps[s] - warmup_forwards(reps, s))
+
+    if not vertical_sync:
+        return lambda t: latest(stage, t)
+    return lambda t: reps[0] * latest(0, t) // reps[stage]
+
+
+class VersionBook:
+    """Which versions one worker must hold as copies, and when; pure (no tensors).
+
+    Walks the worker's action list once to decide, per microbatch, whether its forward can run on the
+    live weights (no STEP of this worker between F(t) and B(t)) and how many backwards still need each
+    version; then `forward` / `backward` / `step` replay the list and say what to copy and free.
+    """
+
+    def __init__(self, actions: list[Action], version: VersionFn, *, sched: Schedule | None = None,
+                 worker: int | None = None) -> None:
+        self.version = version
+        self.live = 0                          # updates applied to the live weights
+        self.held: set[int] = set()            # versions held as copies
+        self.peak = 0
+        self.on_live: set[int] = set()         # microbatches whose forward runs on the live weights
+        self.uses: Counter[int] = Counter()    # version -> backwards on a copy still to run
+        steps = 0
+        f_steps: dict[int, int] = {}
+        for idx, a in enumerate(actions):
+            if a.kind == "STEP":
+                steps += 1
+            elif a.kind == "F" and a.microbatch is not None:
+                t = a.microbatch
+                if version(t) > steps:
+                    mark = None if sched is None or worker is None else {worker: idx}
+                    grid = "" if mark is None or sched is None else "\n" + sched.render(mark)
+                    raise ScheduleError(
+                        f"F{t} needs weight version {version(t)} but its worker has made only {steps} updates "
+                        f"by then; for 2bw use microbatches per minibatch >= stages - 1 (PipeDream-2BW §3.1){grid}")
+                f_steps[t] = steps
+            elif a.kind == "B" and a.microbatch is not None:
+                t = a.microbatch
+                if f_steps[t] == steps and version(t) == steps:
+                    self.on_live.add(t)
+                else:
+                    self.uses[version(t)] += 1
+
+    def _hold(self, v: int) -> None:
+        self.held.add(v)
+        self.peak = max(self.peak, len(self.held))
+
+    def forward(self, t: int) -> tuple[int, bool, bool]:
+        """(version, on_live, copy_now): copy_now when the live weights must be copied before F(t)."""
+        v = self.version(t)
+        if t in self.on_live:
+            return v, True, False
+        if v in self.held:
+            return v, False, False
+        if v != self.live:
+            raise RuntimeError(f"F{t} needs version {v}, which was neither kept nor is live ({self.live})")
+        self._hold(v)
+        return v, False, True
+
+    def backward(self, t: int) -> int | None:
+        """After B(t): the version whose copy is now free, if any."""
+        if t in self.on_live:
+            return None
+        v = self.version(t)
+        self.uses[v] -= 1
+        if self.uses[v] == 0:
+            self.held.discard(v)
+            return v
+        return None
+
+    def step(self) -> int | None:
+        """Before a STEP: the live version, when later forwards still need a copy of it."""
+        v = self.live
+        self.live += 1
+        if self.uses[v] > 0 and v not in self.held:
+            self._hold(v)
+            return v
+        return None
+
+
+def simulate(actions: list[Action], version: VersionFn) -> int:
+    """Peak number of versions held as copies when running `actions` (no tensors)."""
+    book = VersionBook(actions, version)
+    for a in actions:
+        if a.kind == "F" and a.microbatch is not None:
+            book.forward(a.microbatch)
+        elif a.kind == "B" and a.microbatch is not None:
+            book.backward(a.microbatch)
+        elif a.kind == "STEP":
+            book.step()
+    return book.peak
+
+
+class StashPolicy(WeightPolicy):
+    """Runs each microbatch on its weight version (VersionBook) with pooled copies of the stage's
+    parameters; gradients computed on a copy are added to the live parameters' gradients."""
+
+    def __init__(self, module: nn.Module, actions: list[Action], version: VersionFn, *,
+                 sched: Schedule | None = None, worker: int | None = None) -> None:
+        self.book = VersionBook(actions, version, sched=sched, worker=worker)
+        # (owning module, attribute name, live parameter) for every parameter, in parameters() order.
+        self.slots = [(mod, name, p) for mod in module.modules()
+                      for name, p in mod.named_parameters(recurse=False)]
+        self.copies: dict[int, list[nn.Parameter]] = {}  # version -> copy
+        self.pool: list[list[nn.Parameter]] = []           # free copies (PipeDream reuses stash buffers)
+        self.allocated = 0
+        self.param_bytes = sum(p.numel() * p.element_size() for _, _, p in self.slots)
+        self.bound: int | None = None
+        self.current: dict[int, int] = {}  # microbatch -> version it ran on (copies only)
+
+    def _take(self, v: int) -> None:
+        if self.pool:
+            buf = self.pool.pop()
+        else:
+            buf = [nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad) for _, _, p in self.slots]
+            self.allocated += 1
+        with torch.no_grad():  # the buffer is free: no graph references it
+            for c, (_, _, p) in zip(buf, self.slots):
+                c.copy_(p)
+        self.copies[v] = buf
+
+    def _bind(self, params: list[nn.Parameter]) -> None:
+        # Module attributes are rebound to other Parameter objects; no tensor's data is swapped.
+        for (mod, name, _), q in zip(self.slots, params):
+            mod._parameters[name] = q
+
+    def before_forward(self, mb: int) -> None:
+        v, on_live, copy_now = self.book.forward(mb)
+        if on_live:
+            return
+        if copy_now:
+            self._take(v)
+        self._bind(self.copies[v])
+        self.bound = v
+        self.current[mb] = v
+
+    def after_forward(self, mb: int) -> None:
+        if self.bound is not None:
+            self._bind([p for _, _, p in self.slots])
+            self.bound = None
+
+    def after_backward(self, mb: int) -> None:
+        v = self.current.pop(mb, None)
+        if v is None:
+            self.book.backward(mb)
+            return
+        for c, (_, _, p) in zip(self.copies[v], self.slots):
+            if c.grad is None:
+                continue
+            if p.grad is None:
+                p.grad = c.grad
+            else:
+                p.grad.add_(c.grad)
+            c.grad = None
+        free = self.book.backward(mb)
+        if free is not None:
+            self.pool.append(self.copies.pop(free))
+
+    def before_step(self) -> None:
+        v = self.book.step()
+        if v is not None:
+            self._take(v)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Bytes of copies held at peak (every copy ever allocated stays in the pool)."""
+        return self.allocated * self.param_bytes
+
+    def finish(self) -> None:
+        log.info("stash peak: %d bytes, %d versions (stage parameters %d bytes)", self.peak_bytes,
+                 self.book.peak, self.param_bytes)
