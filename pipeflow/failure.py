@@ -224,18 +224,65 @@ class StepGuard:
         self.skipped: list[int] = []
         self.stop_reason: str | None = None
         self.exit_code = 0
+        # On GPUs with a fused optimizer the check needs no host sync: the optimizer skips a non-finite
+        # update on the device (its found_inf input, as under AMP's GradScaler), the flags are copied to
+        # pinned memory, and the ranks agree on them one step later, when that copy has long landed.
+        # --skip-nonfinite keeps the synchronous check: every stage must skip the same step.
+        opt = engine.optimizer
+        self.lagged = (agree_every_step and not skip_nonfinite and engine.world.device.type == "cuda"
+                       and bool(getattr(opt, "_step_supports_amp_scaling", False)))
+        self.pending: list[tuple[int, torch.Tensor, Any]] = []  # (step, pinned [bad_grad, bad_loss], event)
+
+    def _device_flags(self) -> torch.Tensor:
+        """[bad_grad, bad_loss] on this stage's device, without reading them."""
+        e = self.engine
+        dev = e.world.device
+        grads = [p.grad for p in e.stage.parameters() if p.grad is not None]
+        ok_grad = (torch.stack([g.isfinite().all() for g in grads]).all() if grads
+                   else torch.ones((), dtype=torch.bool, device=dev))
+        ok_loss = (torch.stack(e.losses[-self.losses_per_step:]).isfinite().all() if e.stage.last and e.losses
+                   else torch.ones((), dtype=torch.bool, device=dev))
+        return torch.stack([~ok_grad.to(dev), ~ok_loss.to(dev)])
 
     def _local_check(self) -> tuple[bool, bool]:
-        e = self.engine
-        flags = [torch.stack([p.grad.isfinite().all() for p in e.stage.parameters() if p.grad is not None]).all()
-                 if any(p.grad is not None for p in e.stage.parameters()) else torch.ones((), dtype=torch.bool)]
-        if e.stage.last and e.losses:
-            flags.append(torch.stack(e.losses[-self.losses_per_step:]).isfinite().all())
-        ok = torch.stack([f.to(flags[0].device) for f in flags]).cpu().tolist()  # the one host sync
-        return not ok[0], len(ok) > 1 and not ok[1]
+        bad = self._device_flags().cpu().tolist()  # the one host sync
+        return bool(bad[0]), bool(bad[1])
+
+    def _lagged(self) -> bool:
+        """The sync-free check: skip on the device now, agree on the previous step's flags."""
+        flags = self._device_flags()
+        self.engine.optimizer.found_inf = flags.any().float()
+        host = torch.empty(2, dtype=torch.bool, pin_memory=flags.is_cuda)
+        host.copy_(flags, non_blocking=flags.is_cuda)
+        event = torch.cuda.Event() if flags.is_cuda else None
+        if event is not None:
+            event.record()
+        step = self.step
+        self.step += 1
+        self.pending.append((step, host, event))
+        if len(self.pending) > 1:
+            prev, prev_host, prev_event = self.pending.pop(0)
+            if prev_event is not None:
+                prev_event.synchronize()  # recorded a whole step ago: already complete in the steady state
+            self.bad_grad, self.bad_loss = bool(prev_host[0]), bool(prev_host[1])
+            if self._agree(prev):
+                self.skipped.append(prev)
+        return True  # the update itself is skipped on the device when non-finite
+
+    def flush_pending(self) -> None:
+        """Agree on the last step's flags (at the end of training)."""
+        while self.pending:
+            prev, prev_host, prev_event = self.pending.pop(0)
+            if prev_event is not None:
+                prev_event.synchronize()
+            self.bad_grad, self.bad_loss = bool(prev_host[0]), bool(prev_host[1])
+            if self._agree(prev):
+                self.skipped.append(prev)
 
     def __call__(self) -> bool:
         """Whether to apply this STEP's optimizer update."""
+        if self.lagged:
+            return self._lagged()
         bad_grad, bad_loss = self._local_check()
         self.bad_grad |= bad_grad
         self.bad_loss |= bad_loss
@@ -365,6 +412,8 @@ class Supervisor:
         signalled = g.stop_reason is not None and g.exit_code > 128
         every = self.args.checkpoint_every
         due = (every and step % every == 0) or step == self.args.steps or signalled
+        if g.lagged and (step == self.args.steps or (self.args.checkpoint_dir and due)):
+            g.flush_pending()  # a checkpoint (or the end) must know this step's flags: all ranks call this
         if self.args.checkpoint_dir and due and g.exit_code != EXIT_NONFINITE and step != self.saved_step:
             self.saved = checkpoint.save(self.engine, self.args.checkpoint_dir, step, self.comm, self.run_info)
             self.saved_step = step

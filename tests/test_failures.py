@@ -119,3 +119,34 @@ def test_nonfinite_loss_stops_with_step_and_stage(tmp_path):
     assert "non-finite loss on stage 1 (the last) and gradients on stages 0, 1 at step 3: step skipped" in proc.stderr
     model = torch.load(out, weights_only=True)
     assert all(v.isfinite().all() for v in model.values())
+
+
+def test_lagged_guard_skips_on_the_device_and_reports_a_step_later():
+    """The sync-free check used on GPUs: a fused optimizer skips the non-finite update itself
+    (found_inf), and the ranks agree on the flags one step later. Run on the CPU's fused Adam."""
+    from types import SimpleNamespace
+
+    import torch
+    from mpi4py import MPI
+
+    from pipeflow.failure import SignalStop, StepGuard
+
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.Adam([w], lr=0.1, fused=True)
+    stage = SimpleNamespace(parameters=lambda: [w], last=False)
+    engine = SimpleNamespace(S=1, s=0, actions=[], optimizer=opt, stage=stage, losses=[],
+                             world=SimpleNamespace(device=torch.device("cpu")))
+    guard = StepGuard(engine, MPI.COMM_SELF, SignalStop(), skip_nonfinite=False, agree_every_step=True)
+    assert guard.lagged is False  # a CPU rank checks synchronously...
+    guard.lagged = True  # ...this is what a CUDA rank with a fused optimizer gets
+    for step, grad in enumerate([1.0, float("nan"), 1.0]):
+        before = w.detach().clone()
+        w.grad = torch.full((3,), grad)
+        assert guard() is True
+        opt.step()
+        moved = not torch.equal(w.detach(), before)
+        assert moved == (grad == 1.0), f"step {step}: the update must be skipped exactly when non-finite"
+        if step < 2:
+            assert guard.stop_reason is None  # step 1's flags are read at step 2's STEP
+    assert guard.stop_reason is not None and "non-finite gradients on stage 0 at step 2" in guard.stop_reason
+    assert guard.skipped == [1]
