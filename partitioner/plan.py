@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from partitioner.jsonfile import read_json
+
 PLAN_FORMAT = "pipeflow.plan/1"
 
 
@@ -131,17 +133,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise PlanError(f"cannot read plan {path}: {e.strerror}") from None
-        except UnicodeDecodeError as e:
-            raise PlanError(f"{path}: not a text file ({e.reason} at byte {e.start}); expected plan.json") from None
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlanError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        return cls.from_json(d, source=str(path))
+        return cls.from_json(read_json(path, "plan.json", PlanError), source=str(path))
 
 
 def even_plan(num_layers: int, stages: int, *, schedule: str, microbatches: int,

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from partitioner.jsonfile import read_json
+
 PROFILE_FORMAT = "pipeflow.profile/1"
 LAYER_NUMBERS = ("forward_ms", "backward_ms", "output_bytes", "activation_bytes", "parameter_bytes")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -113,18 +115,7 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise ProfileError(f"cannot read profile {path}: {e.strerror}") from None
-        except UnicodeDecodeError as e:
-            raise ProfileError(f"{path}: not a text file ({e.reason} at byte {e.start}); expected profile.json"
-                               ) from None
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ProfileError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        return cls.from_json(d, source=Path(path).name)
+        return cls.from_json(read_json(path, "profile.json", ProfileError), source=Path(path).name)
 
 
 def _show(v: Any) -> str:

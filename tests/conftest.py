@@ -1,6 +1,7 @@
 """Shared helpers: run pipeflow under mpirun with a timeout, and single-process references."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -30,3 +31,15 @@ def run_mpi(np: int, args: list[str], *, timeout: float = 180, module: str = "pi
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout}\n"
                              f"stderr:\n{proc.stderr}")
     return proc
+
+
+def write_plan(path: Path, schedule: str, m: int, stages: list[tuple[int, int]]) -> int:
+    """A plan.json of consecutive (layer count, replicas) stages with ranks in order; returns the workers."""
+    ranks, out, start = 0, [], 0
+    for layers, reps in stages:
+        out.append({"layers": [start, start + layers], "replicas": reps, "ranks": list(range(ranks, ranks + reps))})
+        start += layers
+        ranks += reps
+    path.write_text(json.dumps({"format": "pipeflow.plan/1", "schedule": schedule, "microbatches": m,
+                                "workers": ranks, "stages": out}))
+    return ranks

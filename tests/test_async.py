@@ -9,7 +9,7 @@ from torch import nn
 
 from pipeflow.schedule import ScheduleError, generate
 from pipeflow.stash import StashPolicy, VersionBook, simulate, version_fn
-from tests.conftest import run_mpi
+from tests.conftest import run_mpi, write_plan
 from tests.reference import reference_delayed, reference_flush, weight_versions
 
 MODELS = {"mlp": {"layers": 6, "hidden": 16, "d_in": 8, "samples": 256},
@@ -150,17 +150,6 @@ def test_stash_policy_in_one_process():
 
 
 # ---------------------------------------------------------------- under mpirun
-
-
-def write_plan(path, schedule, m, stages):
-    ranks, out, start = 0, [], 0
-    for layers, reps in stages:
-        out.append({"layers": [start, start + layers], "replicas": reps, "ranks": list(range(ranks, ranks + reps))})
-        start += layers
-        ranks += reps
-    path.write_text(json.dumps({"format": "pipeflow.plan/1", "schedule": schedule, "microbatches": m,
-                                "workers": ranks, "stages": out}))
-    return ranks
 
 
 # (model, schedule, stages [(layers, replicas)], m, steps, optimizer): 10 microbatches each.

@@ -6,22 +6,11 @@ import json
 import pytest
 import torch
 
-from tests.conftest import run_mpi
+from tests.conftest import run_mpi, write_plan
 from tests.reference import reference_flush
 
 MLP = {"layers": 6, "hidden": 16, "d_in": 8, "samples": 256}
 STEPS, M, B = 3, 5, 2  # m=5 is not a multiple of the replica counts: replicas get uneven shares
-
-
-def write_plan(path, schedule, stages):
-    ranks, out, start = 0, [], 0
-    for layers, reps in stages:
-        out.append({"layers": [start, start + layers], "replicas": reps, "ranks": list(range(ranks, ranks + reps))})
-        start += layers
-        ranks += reps
-    path.write_text(json.dumps({"format": "pipeflow.plan/1", "schedule": schedule, "microbatches": M,
-                                "workers": ranks, "stages": out}))
-    return ranks
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -29,7 +18,7 @@ def write_plan(path, schedule, stages):
                          ids=["2-1-1", "1-2", "1-3", "dp4"])
 def test_replicated_plan_equals_single_process(tmp_path, schedule, stages):
     plan = tmp_path / "plan.json"
-    np_ = write_plan(plan, schedule, stages)
+    np_ = write_plan(plan, schedule, M, stages)
     out = tmp_path / "model.pt"
     run_mpi(np_, ["--model", "mlp", "--model-args", json.dumps(MLP), "--plan", str(plan),
                   "--steps", str(STEPS), "--microbatch-size", str(B), "--optimizer", "sgd", "--lr", "0.05",
