@@ -53,7 +53,7 @@ class Engine:
                  optimizer_factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
                  loader: MicrobatchLoader, dtype: torch.dtype = torch.float32, total_steps: int = 1,
                  timer: Timer | None = None, vertical_sync: bool = False,
-                 warmup: list[int] | None = None) -> None:
+                 warmup: list[int] | None = None, segment_steps: int | None = None) -> None:
         self.world, self.plan, self.spec, self.loader = world, plan, spec, loader
         self.schedule_name = schedule
         self.m = plan.microbatches
@@ -66,11 +66,12 @@ class Engine:
                            last=self.s == self.S - 1, loss_fn=spec.loss_fn, device=world.device, dtype=dtype)
         self.optimizer = optimizer_factory(self.stage.parameters())
         self.flush = schedule in FLUSH_SCHEDULES
-        # Flush schedules repeat one step's list; asynchronous ones run all microbatches as one list.
-        mbs = self.m if self.flush else self.m * total_steps
-        self.sched: Schedule = generate(schedule, self.S, mbs, plan.replicas, minibatch=self.m, warmup=warmup)
-        self.worker = self.sched.worker(self.s, self.r)
-        self.actions: list[Action] = self.sched.actions[self.worker]
+        self.warmup, self.vertical_sync = warmup, vertical_sync
+        # Flush schedules repeat one step's list; asynchronous ones run the microbatches of a segment
+        # (`segment_steps` minibatches; default: the whole run) as one list (begin_segment).
+        self._scheds: dict[int, Schedule] = {}
+        self.mb_offset = 0  # asynchronous: global index of the current segment's microbatch 0
+        self._use_schedule(1 if self.flush else (segment_steps or total_steps))
         self.p2p = P2P(world, self._make_channels())
         self.p2p.warm_up()
         self.reducer: GradReducer | None = None
@@ -80,16 +81,44 @@ class Engine:
         self.policy = WeightPolicy()
         self.step_guard: Callable[[], bool] | None = None
         if not self.flush:
-            from pipeflow.stash import StashPolicy, version_fn  # stash.py subclasses WeightPolicy
-
-            self.policy = StashPolicy(self.stage.module, self.actions, version_fn(
-                self.sched, self.s, minibatch=self.m, vertical_sync=vertical_sync), sched=self.sched,
-                worker=self.worker)
+            self._new_policy()
         # Microbatches one STEP of this stage consumes (over its replicas): async steps per backward.
         self.microbatches_per_step = st.replicas if schedule == "async" else self.m
         self.losses: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ set-up
+
+    def _use_schedule(self, steps: int) -> None:
+        """The action list for `steps` minibatches (flush: one step's list, whatever `steps`)."""
+        if steps not in self._scheds:
+            mbs = self.m if self.flush else self.m * steps
+            self._scheds[steps] = generate(self.schedule_name, self.S, mbs, self.plan.replicas, minibatch=self.m,
+                                           warmup=self.warmup)
+        self.sched = self._scheds[steps]
+        self.worker = self.sched.worker(self.s, self.r)
+        self.actions: list[Action] = self.sched.actions[self.worker]
+
+    def _new_policy(self) -> None:
+        from pipeflow.stash import StashPolicy, version_fn  # stash.py subclasses WeightPolicy
+
+        old = self.policy
+        policy = StashPolicy(self.stage.module, self.actions, version_fn(
+            self.sched, self.s, minibatch=self.m, vertical_sync=self.vertical_sync), sched=self.sched,
+            worker=self.worker)
+        if isinstance(old, StashPolicy):  # reuse the previous segment's (free) copies
+            policy.pool = old.pool + list(old.copies.values())
+            policy.allocated = old.allocated
+        self.policy = policy
+
+    def begin_segment(self, first_step: int, steps: int) -> None:
+        """Asynchronous schedules: the next `run(self.actions)` trains minibatches [first_step,
+        first_step + steps) as one list that fills and drains (stash.py, "Segments"): weight versions
+        count from the weights at its start, microbatch indices are offset to the global data order."""
+        if self.flush:
+            raise RuntimeError("segments are for the asynchronous schedules (async, 2bw)")
+        self._use_schedule(steps)
+        self.mb_offset = first_step * self.m
+        self._new_policy()
 
     def rank_of(self, worker: int) -> int:
         s, r = self.sched.workers[worker]
@@ -118,7 +147,7 @@ class Engine:
     # ------------------------------------------------------------------ execution
 
     def global_mb(self, step: int, i: int) -> int:
-        return step * self.m + i if self.flush else i
+        return step * self.m + i if self.flush else self.mb_offset + i
 
     def run(self, actions: list[Action], step: int = 0, on_step: Callable[[int], None] | None = None) -> None:
         """Execute `actions`. For flush schedules `step` places microbatch i at global index step*m+i;

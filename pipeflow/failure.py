@@ -204,7 +204,8 @@ class StepGuard:
     MPI allreduce, whether to apply the step and whether to stop (a signal or a non-finite value).
 
     Flush schedules agree at every STEP, so all stages skip a bad step together. Asynchronous ones
-    step per microbatch and never drain, so there is no common boundary: a stage skips its own
+    step per microbatch and drain only at segment boundaries (Supervisor.after_segment agrees on
+    signals there), so there is no common boundary per update: a stage skips its own
     non-finite update (--skip-nonfinite) or raises NonFiniteError, which ends the job through MPI Abort.
     """
 
@@ -368,10 +369,6 @@ class Supervisor:
         from pipeflow import checkpoint
 
         step, error = 0, None
-        if not self.engine.flush and (self.args.resume or self.args.checkpoint_dir):
-            raise AgreedError(f"--checkpoint-dir and --resume need a flush schedule (gpipe, 1f1b): the "
-                              f"{self.engine.schedule_name} pipeline never drains, so no step boundary holds a "
-                              "complete state to save or restart from")
         if self.args.resume:
             found: tuple[str | None, dict[str, Any] | None, str | None] = (None, None, None)
             if self.comm.Get_rank() == 0:  # one rank resolves "latest", so that all load the same step
@@ -397,9 +394,45 @@ class Supervisor:
                     log.info("resumed from %s: continuing after step %d", path, step)
         self.saved_step = step
         self.engine.step_guard = self.guard
-        if self.engine.flush:  # asynchronous pipelines have no common boundary to stop at: signals end them
+        # Asynchronous pipelines stop at segment boundaries (after_segment), which exist with --checkpoint-dir;
+        # without one the run is one segment and signals end it as usual.
+        if self.engine.flush or self.args.checkpoint_dir:
             self.signals.install()
         return step
+
+    def segments(self, start: int) -> list[tuple[int, int]]:
+        """Asynchronous schedules: (first step, steps) of each segment from `start` on: boundaries at the
+        multiples of --checkpoint-every (with --checkpoint-dir; stash.py, "Segments") and at the end."""
+        total, every = self.args.steps, self.args.checkpoint_every if self.args.checkpoint_dir else 0
+        if start >= total:
+            return []
+        cuts = [start, *(k for k in range(start + 1, total) if every and k % every == 0), total]
+        return [(a, b - a) for a, b in zip(cuts, cuts[1:])]
+
+    def after_segment(self, step: int) -> None:
+        """At the boundary after `step` steps of an asynchronous schedule (the pipeline drained): agree
+        through one allreduce whether a rank was signalled; checkpoint (with --checkpoint-dir); stop if agreed."""
+        from mpi4py import MPI
+
+        from pipeflow import checkpoint
+
+        if not self.args.checkpoint_dir:
+            return
+        mine = np.zeros(2, dtype=np.int64)
+        if self.signals.signum:
+            mine[0], mine[1] = self.signals.signum, self.comm.Get_rank() + 1
+        every = np.empty_like(mine)
+        self.comm.Allreduce(mine, every, op=MPI.MAX)
+        if step != self.saved_step:
+            self.saved = checkpoint.save(self.engine, self.args.checkpoint_dir, step, self.comm, self.run_info)
+            self.saved_step = step
+            if self.comm.Get_rank() == 0:
+                log.info("checkpoint %s", self.saved)
+        if every[0]:
+            name = signal.Signals(int(every[0])).name
+            where = f"; checkpoint saved in {self.saved} (resume with --resume)" if self.saved is not None else ""
+            raise StopTraining(f"stopped by {name} (received by rank {int(every[1]) - 1}) after step {step}{where}",
+                               128 + int(every[0]))
 
     def after_step(self, step: int) -> None:
         """At the boundary after `step` steps (flush schedules; the guard agreed at their STEP):

@@ -21,6 +21,16 @@ is current at F(t): max(0, floor(t / r_s) - w_s), w_s = schedule.warmup_forwards
 vertical sync uses, on every stage, the updates built from the c(t) = r_0 * v_0(t) microbatches
 stage 0 had applied: v_s(t) = floor(c(t) / r_s). 2BW's version depends on k only.
 
+Segments (checkpoints). With --checkpoint-dir, an asynchronous run is cut into segments of
+--checkpoint-every minibatches (0: the whole run; the last one may be shorter), each a complete
+action list that fills and drains: a checkpoint boundary drains an asynchronous pipeline. At a
+boundary no microbatch is in flight and no stashed version is live, so a checkpoint is each stage's
+weights, optimizer state and data position, as for the flush schedules. Within a segment the rules
+above hold with t counted from the segment start and versions from the weights at that start (its
+version 0): microbatch t' of the segment uses max(0, t' - n + j) updates into the segment, 2bw's
+minibatch k' uses max(0, k' - 1). Global microbatch indices (the data order) stay global
+(Engine.begin_segment). Without --checkpoint-dir the run is one segment.
+
 Memory. A forward whose backward comes before the next STEP of its worker runs on the live
 parameters; any other runs on a *copy* of its version, taken from a pool of buffers and never
 modified while a graph references it: the optimizer writes the live parameters in place, copies

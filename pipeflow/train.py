@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="write checkpoints to DIR/step-NNNNNN/ (a file per stage, then a COMPLETE marker)")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
-                   help="steps between checkpoints (default 0: at the end, and when stopped by SIGTERM/SIGINT)")
+                   help="steps between checkpoints (default 0: at the end, and when stopped by SIGTERM/SIGINT); "
+                        "async/2bw drain their pipeline at each checkpoint (segments of K minibatches)")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                    help="continue from PATH (a step-NNNNNN directory or a checkpoint directory) or, without "
                         "PATH, from the newest complete checkpoint in --checkpoint-dir (none yet: from step 0)")
@@ -276,7 +277,8 @@ def run(args: argparse.Namespace, spec: ModelSpec, plan: Plan, comm: Any) -> int
     engine = Engine(world, plan, spec, schedule=plan.schedule, optimizer_factory=make_optimizer(args),
                     warmup=resolve_warmup(args.warmup, plan),
                     loader=loader, dtype=DTYPES[args.dtype], total_steps=args.steps, timer=monitor.timer,
-                    vertical_sync=args.vertical_sync)
+                    vertical_sync=args.vertical_sync,
+                    segment_steps=(min(args.checkpoint_every, args.steps) or None) if args.checkpoint_dir else None)
     # Resume, checkpoints, signals and non-finite checks at step boundaries (failure.py, checkpoint.py).
     supervisor = Supervisor(args, engine, comm, run_info(args, spec, plan))
     start = supervisor.start()
@@ -301,13 +303,16 @@ def run(args: argparse.Namespace, spec: ModelSpec, plan: Plan, comm: Any) -> int
         for k in range(start, args.steps):
             engine.train_step(k)
             report(k)
-    else:
-        def on_step(n: int) -> None:  # report each minibatch the (n+1)-th STEP of this stage completes
-            per = engine.microbatches_per_step
-            for k in range(n * per // m, (n + 1) * per // m):
-                report(k)
+    else:  # segments that fill and drain the pipeline; checkpoints and stops at their ends (stash.py)
+        for first, count in supervisor.segments(start):
+            def on_step(n: int, first: int = first) -> None:  # report each minibatch the (n+1)-th STEP completes
+                per = engine.microbatches_per_step
+                for k in range(first + n * per // m, first + (n + 1) * per // m):
+                    report(k)
 
-        engine.run(engine.actions, on_step=on_step)
+            engine.begin_segment(first, count)
+            engine.run(engine.actions, on_step=on_step)
+            supervisor.after_segment(first + count)
     supervisor.close()
     monitor.close()
     if engine.owns_loss and first_report is not None and first_report[0] < args.steps:

@@ -65,12 +65,14 @@ def weight_versions(schedule: str, replicas: list[int], *, minibatch: int,
 def reference_delayed(model: str, model_args: dict[str, Any], *, schedule: str, stages: list[tuple[int, int]],
                       steps: int, microbatches: int, microbatch_size: int, optimizer: str = "sgd",
                       lr: float = 0.05, momentum: float = 0.0, vertical_sync: bool = False, seed: int = 0,
-                      dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+                      dtype: torch.dtype = torch.float64, segment: int | None = None) -> dict[str, torch.Tensor]:
     """async / 2bw semantics, one microbatch at a time: microbatch t runs forward and backward through
     every stage s with version v_s(t) of its weights; stage s's update u (u + 1 updates in all) takes
     the summed gradients of microbatches [u U_s, (u + 1) U_s) and is applied to its latest weights,
     U_s = replicas of s for async (loss scale 1), m for 2bw (loss scale 1/m).
-    `stages` is [(layer count, replicas)]."""
+    `stages` is [(layer count, replicas)]. `segment` (microbatches, a multiple of m): the run drains every
+    `segment` microbatches (checkpoint boundaries, stash.py "Segments"): at each segment start the current
+    weights become version 0 and t counts from there."""
     spec = build_model(model, model_args, seed=seed)
     net = nn.Sequential(*spec.layers).to(dtype)
     bounds = [sum(c for c, _ in stages[:s]) for s in range(len(stages) + 1)]
@@ -83,12 +85,17 @@ def reference_delayed(model: str, model_args: dict[str, Any], *, schedule: str, 
     history = [[{k: v.detach().clone() for k, v in mod.named_parameters()}] for mod in mods]
     pending: list[dict[str, torch.Tensor]] = [{} for _ in mods]
     loader = MicrobatchLoader(spec.dataset, microbatch_size, seed=seed)
+    seg_start = 0
     for t in range(steps * microbatches):
+        if segment and t and t % segment == 0:
+            assert all(not p for p in pending), "a segment must end on an update of every stage"
+            seg_start = t
+            history = [[{k: v.detach().clone() for k, v in mod.named_parameters()}] for mod in mods]
         x, y = loader.microbatch(t)
         x = x.to(dtype) if x.is_floating_point() else x
         used = []
         for s, mod in enumerate(mods):
-            w = {k: v.detach().requires_grad_(True) for k, v in history[s][version[s](t)].items()}
+            w = {k: v.detach().requires_grad_(True) for k, v in history[s][version[s](t - seg_start)].items()}
             used.append(w)
             x = torch.func.functional_call(mod, w, (x,))
         (spec.loss_fn(x, y) * scale).backward()
