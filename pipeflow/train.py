@@ -266,7 +266,11 @@ def run(args: argparse.Namespace, spec: ModelSpec, plan: Plan, comm: Any) -> int
     from pipeflow.monitor import Monitor
 
     world = init_world(device=args.device, timeout_s=args.timeout)
+    # mpirun (MPICH's) reports a killed process by its pid and ends the job before any rank can speak:
+    # this line is what maps that pid back to a rank.
+    pids = comm.gather((os.uname().nodename, os.getpid()), root=0)
     if world.rank == 0:
+        log.info("processes by rank: %s", ", ".join(f"{r}={h}:{p}" for r, (h, p) in enumerate(pids)))
         log.info("plan: %s, %d microbatches of %d, stages %s", plan.schedule, plan.microbatches,
                  args.microbatch_size, [(list(st.layers), st.ranks) for st in plan.stages])
     loader = MicrobatchLoader(spec.dataset, args.microbatch_size, seed=args.seed, shuffle=not args.no_shuffle)
