@@ -214,9 +214,12 @@ class Engine:
     def _forward(self, step: int, i: int, recv_f: dict[int, tuple[list[torch.Tensor], list[Any]]],
                  outputs: dict[int, list[torch.Tensor]]) -> None:
         j = self.global_mb(step, i)
-        target = None
+        # A stage that is both first and last (data parallelism) reads the microbatch once.
+        data = self.loader.microbatch(j) if self.stage.first or self.stage.last else None
+        target = data[1] if data is not None and self.stage.last else None
         if self.stage.first:
-            inputs: Any = self.loader.microbatch(j)[0]
+            assert data is not None
+            inputs: Any = data[0]
         else:
             bufs, works = recv_f.pop(i)
             with self.timer.span("WAIT_F", i):
@@ -225,8 +228,6 @@ class Engine:
             meta = self.p2p.expect_meta(self.rank_of(self.sched.peer(self.worker, Action("RECV_F", i))),
                                         self.loader.signature(j))
             inputs = mark_requires_grad(bufs, [m[2] for m in meta])
-        if self.stage.last:
-            target = self.loader.microbatch(j)[1]
         self.policy.before_forward(i)
         scale = 1.0 / self.m if self.schedule_name != "async" else 1.0
         with self.timer.span("F", i):
