@@ -17,6 +17,7 @@ import torch
 log = logging.getLogger(__name__)
 
 HEARTBEAT_TAG = 0x7E57  # MPI tag of watchdog messages on COMM_WORLD; nothing else receives with ANY_TAG
+STOP_TAG = 0x7E58       # a rank signalled during an asynchronous run without checkpoints tells the others
 ALL_TO_ALL_MAX = 16     # up to this many ranks every rank watches every other; beyond, ring neighbours
 EXIT_FAILED = 3         # a peer died or stopped responding
 EXIT_NONFINITE = 4      # a non-finite loss or gradient without --skip-nonfinite
@@ -31,8 +32,11 @@ class StopTraining(Exception):
 
 
 def say(text: str) -> None:
-    """One line on stderr, flushed now: the process may be aborted right after."""
-    print(text, file=sys.stderr, flush=True)
+    """One line on stderr, now, in one write: the process may be aborted right after, and under
+    PYTHONUNBUFFERED=1 print() writes the text and its newline separately, so that lines of
+    several ranks sharing mpirun's stderr could merge."""
+    sys.stderr.flush()
+    os.write(2, (text.rstrip("\n") + "\n").encode())
 
 
 def agree(comm: Any, error: str | None) -> str | None:
@@ -198,6 +202,93 @@ class SignalStop:
         self._old.clear()
 
 
+class ImmediateStop:
+    """SIGTERM / SIGINT for the asynchronous schedules without --checkpoint-dir: they have no step
+    boundary to stop at, and nothing is saved, so the job ends at once with one line and 128+N.
+
+    Python runs signal handlers on the main thread only, between bytecodes, and that thread may be
+    blocked in a gloo transfer: the handler's wakeup fd (written by the C-level handler) wakes a
+    thread here instead. The signalled rank tells every other rank (MPI, STOP_TAG; a kill of one
+    rank must end all), rank 0 prints the line, and each process leaves through os._exit: unwinding
+    a thread blocked in a transfer is what gave tracebacks and a segfault (issue 11).
+    """
+
+    def __init__(self, comm: Any, progress: Any) -> None:
+        from mpi4py import MPI
+
+        self.comm, self.progress = comm, progress  # progress(): steps this rank has finished
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.mpi_ok = self.size > 1 and MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+        self._old: dict[int, Any] = {}
+        self._old_fd: int | None = None
+        self._pipe: tuple[int, int] | None = None
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def install(self) -> ImmediateStop:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        self._pipe = (r, w)
+        self._old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        for s in SignalStop.SIGNALS:
+            self._old[s] = signal.signal(s, self._handle)
+        self._thread = threading.Thread(target=self._loop, name="pipeflow-signals", daemon=True)
+        self._thread.start()
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        """The Python-level handler: the wakeup fd has already told the thread."""
+
+    def _loop(self) -> None:
+        import select
+
+        from mpi4py import MPI
+
+        assert self._pipe is not None
+        status = MPI.Status()
+        while not self._done.is_set():
+            ready, _, _ = select.select([self._pipe[0]], [], [], 0.1)
+            if ready:
+                data = os.read(self._pipe[0], 16)
+                if not data or self._done.is_set():
+                    return
+                self._stop(data[0], self.rank)
+            if self.mpi_ok and self.comm.iprobe(source=MPI.ANY_SOURCE, tag=STOP_TAG, status=status):
+                signum = self.comm.recv(source=status.Get_source(), tag=STOP_TAG)
+                self._stop(int(signum), status.Get_source())
+
+    def _stop(self, signum: int, by: int) -> None:
+        if by == self.rank and self.mpi_ok:  # tell the others; small messages complete at once
+            reqs = [self.comm.isend(signum, dest=p, tag=STOP_TAG) for p in range(self.size) if p != self.rank]
+            deadline = time.monotonic() + 1.0
+            while reqs and time.monotonic() < deadline:
+                reqs = [q for q in reqs if not q.Test()]
+                time.sleep(0.01)
+        if self.rank == 0:
+            name = signal.Signals(signum).name
+            say(f"pipeflow-train: stopped by {name} (received by rank {by}) during step {self.progress() + 1}; "
+                "nothing saved: the asynchronous schedules checkpoint only with --checkpoint-dir")
+        else:  # rank 0 speaks; mpirun ends the job when it exits (if it cannot, leave on our own)
+            time.sleep(2.0)
+        sys.stderr.flush()
+        os._exit(128 + signum)
+
+    def restore(self) -> None:
+        self._done.set()
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        self._old.clear()
+        if self._pipe is not None:
+            signal.set_wakeup_fd(-1 if self._old_fd is None else self._old_fd)
+            os.close(self._pipe[1])  # wakes the thread: it reads EOF and ends
+            if self._thread is not None:
+                self._thread.join()
+            os.close(self._pipe[0])
+            self._pipe = None
+
+
 class StepGuard:
     """Runs at every STEP, before the optimizer: checks this stage's gradients (and the last stage's
     losses) for NaN/inf with one host sync, and at step boundaries agrees with all ranks, through one
@@ -210,9 +301,13 @@ class StepGuard:
     """
 
     def __init__(self, engine: Any, comm: Any, signals: SignalStop, *, skip_nonfinite: bool,
-                 agree_every_step: bool) -> None:
+                 agree_every_step: bool, max_skips: int = 0) -> None:
         self.engine, self.comm, self.signals = engine, comm, signals
         self.skip = skip_nonfinite
+        # --max-skips: a run that skips this many steps in a row does not recover; stop it (exit 4)
+        # instead of "training" to the end on NaN (0: never).
+        self.max_skips = max_skips
+        self.consecutive = 0  # skipped in a row, up to the last agreement (flush) or update (async)
         self.agree_every_step = agree_every_step
         self.stages = engine.S
         actions = engine.actions
@@ -296,14 +391,24 @@ class StepGuard:
             return not nonfinite
         if bad_grad or bad_loss:
             self.skipped.append(step)
+            self.consecutive += 1
             what = "loss" if bad_loss else "gradients"
             if not self.skip:
                 raise NonFiniteError(f"non-finite {what} at update {step + 1} on stage {self.engine.s}; the update "
                                      "was not applied. Lower --lr, check the data, or pass --skip-nonfinite")
+            if self.max_skips and self.consecutive >= self.max_skips:
+                raise NonFiniteError(f"non-finite {what} at update {step + 1} on stage {self.engine.s}: "
+                                     f"{self._skip_count(len(self.skipped))}. Lower --lr or check the data")
             log.warning("non-finite %s at update %d on stage %d: skipped (--skip-nonfinite)", what, step + 1,
                         self.engine.s)
             return False
+        self.consecutive = 0
         return True
+
+    def _skip_count(self, total: int) -> str:
+        return (f"{self.consecutive} consecutive {'steps' if self.agree_every_step else 'updates'} skipped "
+                f"({total} in all; --skip-nonfinite stops after --max-skips {self.max_skips} in a row), "
+                "the run is not recovering")
 
     def _agree(self, step: int) -> bool:
         """Allreduce [signal, signalled rank, loss-bad per stage, grad-bad per stage]; True if non-finite."""
@@ -330,12 +435,20 @@ class StepGuard:
                             f"{', '.join(map(str, grad_stages))}")
             text = f"non-finite {' and '.join(what)} at step {step + 1}"
             if self.skip:
-                if self.comm.Get_rank() == 0:
+                self.consecutive += 1
+                if self.max_skips and self.consecutive >= self.max_skips and self.stop_reason is None:
+                    # This step is skipped too (the caller records it after we return).
+                    count = self._skip_count(len(self.skipped) + 1)
+                    self.stop_reason = f"{text}: {count}. Lower --lr or check the data"
+                    self.exit_code = EXIT_NONFINITE
+                elif self.comm.Get_rank() == 0:
                     log.warning("%s: step skipped (--skip-nonfinite)", text)
             elif self.stop_reason is None:
                 self.stop_reason = (f"{text}; the update was not applied. Lower --lr, check the data, or pass "
                                     "--skip-nonfinite to skip such steps")
                 self.exit_code = EXIT_NONFINITE
+        else:
+            self.consecutive = 0
         if every[0] and self.stop_reason is None:
             name = signal.Signals(int(every[0])).name
             self.stop_reason = f"stopped by {name} (received by rank {int(every[1]) - 1}) after step {step + 1}"
@@ -359,9 +472,11 @@ class Supervisor:
         self.args, self.engine, self.comm, self.run_info = args, engine, comm, run_info
         self.signals = SignalStop()
         self.guard = StepGuard(engine, comm, self.signals, skip_nonfinite=args.skip_nonfinite,
-                               agree_every_step=engine.flush)
+                               agree_every_step=engine.flush, max_skips=getattr(args, "max_skips", 0))
         self.saved_step = -1
         self.saved: Path | None = None
+        self.done = 0  # steps finished on this rank
+        self.immediate: ImmediateStop | None = None
 
     def start(self) -> int:
         """Resume if asked (every rank agrees on the outcome); install the guard and signal handlers.
@@ -398,6 +513,9 @@ class Supervisor:
         # without one the run is one segment and signals end it as usual.
         if self.engine.flush or self.args.checkpoint_dir:
             self.signals.install()
+        else:  # no boundary to stop at and nothing to save: a signal ends the job at once, in one line
+            self.immediate = ImmediateStop(self.comm, lambda: self.done).install()
+        self.done = step
         return step
 
     def segments(self, start: int) -> list[tuple[int, int]]:
@@ -439,6 +557,7 @@ class Supervisor:
         checkpoint if due, stop if agreed."""
         from pipeflow import checkpoint
 
+        self.done = step
         if not self.engine.flush:
             return
         g = self.guard
@@ -460,4 +579,6 @@ class Supervisor:
 
     def close(self) -> None:
         self.signals.restore()
+        if self.immediate is not None:
+            self.immediate.restore()
         self.engine.step_guard = None

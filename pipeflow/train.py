@@ -16,11 +16,12 @@ import os
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from partitioner.plan import Plan, PlanError
+from pipeflow import config
 from pipeflow.schedule import SCHEDULES, ScheduleError
 from pipeflow.spec import ModelError, ModelSpec, build_model, parse_model_args
 
@@ -30,13 +31,25 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 
 class UsageError(ValueError):
-    """A flag, file or world size that cannot work; reported on every rank, exit code 2."""
+    """A flag, file or world size that cannot work; reported once (rank 0) when all ranks agree, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line, written once: every rank parses the same argv before MPI starts, so only the process
+        that the launcher calls rank 0 (or one not started by a launcher) says it."""
+        rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMIX_RANK")
+        if rank in (None, "0"):
+            os.write(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n".encode())
+        sys.exit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pipeflow-train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="gpt", help="gpt, mlp or package.module:function (default gpt)")
+    p = _Parser(prog="pipeflow-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt",
+                   help="gpt, mlp or package.module:function (default gpt). The module is imported and the "
+                        "function called with --model-args on every rank: like torch.load without weights_only, "
+                        "this runs that code, so name only modules you trust")
     p.add_argument("--model-args", default=None, help="JSON object of builder keyword arguments")
     p.add_argument("--plan", default=None, help="plan.json from pipeflow-plan; default: plan on the spot")
     p.add_argument("--schedule", default=None, help=f"one of {', '.join(SCHEDULES)} (default: the plan's, or 1f1b)")
@@ -62,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "PATH, from the newest complete checkpoint in --checkpoint-dir (none yet: from step 0)")
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="skip steps whose loss or gradients are NaN/inf instead of stopping")
+    p.add_argument("--max-skips", type=int, default=10, metavar="N",
+                   help="with --skip-nonfinite: stop (exit 4) after N consecutive skipped steps (default 10; "
+                        "0: never)")
     p.add_argument("--save", default=None, help="write the trained model's state_dict here (rank 0)")
     p.add_argument("--log-every", type=int, default=0, help="steps between loss reports (default: steps/10)")
     p.add_argument("--tensorboard", default=None, metavar="DIR",
@@ -83,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
+    config.check_args(args, os.environ)
     for name in ("steps", "microbatch_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, found {getattr(args, name)}")
@@ -186,7 +203,11 @@ def make_optimizer(args: argparse.Namespace) -> Any:
 
 def setup_logging(rank: int, size: int) -> None:
     prefix = f"[rank {rank}] " if size > 1 else ""
-    logging.basicConfig(level=os.environ.get("PIPEFLOW_LOG", "INFO"), stream=sys.stderr,
+    try:
+        level = config.log_level(os.environ.get("PIPEFLOW_LOG"))
+    except config.ConfigError:
+        level = logging.INFO  # reported by check_args, once, with the other set-up errors
+    logging.basicConfig(level=level, stream=sys.stderr,
                         format=f"{prefix}%(levelname)s %(name)s: %(message)s")
 
 
@@ -211,48 +232,67 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def report_setup_errors(errors: list[str | None], rank: int) -> None:
+    """One line per distinct error: rank 0 says an error every rank found; otherwise each rank with an
+    error says its own, prefixed with its rank (so that lines from different ranks never merge)."""
+    from pipeflow.failure import say
+
+    if all(e == errors[0] for e in errors):
+        if rank == 0:
+            say(f"pipeflow-train: error: {errors[0]}")
+    elif errors[rank]:
+        say(f"pipeflow-train: error: [rank {rank}] {errors[rank]}")
+
+
 def _main(args: argparse.Namespace, comm: Any, watchdog: Any) -> int:
-    from pipeflow.failure import EXIT_NONFINITE, AgreedError, NonFiniteError, StopTraining
+    from pipeflow.failure import EXIT_FAILED, EXIT_NONFINITE, AgreedError, NonFiniteError, StopTraining, say
 
     rank, size = comm.Get_rank(), comm.Get_size()
-    # Set-up errors are the same on every rank (same flags, files, model): each rank reports and exits;
-    # an error on some ranks only is shared through one MPI agreement so that none waits for the others.
+    # Set-up errors are mostly the same on every rank (same flags, files, model): one MPI agreement
+    # shares them, so that none waits for the others, and rank 0 reports an error they all found.
     error: str | None = None
     try:
         check_args(args)
         spec = build_model(args.model, parse_model_args(args.model_args), seed=args.seed)
         plan = make_plan(args, spec, size, rank, comm)
+        list_size = config.check_plan(plan, args, SCHEDULES)
     except (UsageError, PlanError, ModelError, ScheduleError, ValueError) as e:
         error = str(e)
     errors = comm.allgather(error)
     if any(errors):
-        first = next(r for r, e in enumerate(errors) if e)
-        msg = error or f"rank {first} failed to start: {errors[first]}"
-        print(f"pipeflow-train: error: [rank {rank}] {msg}", file=sys.stderr, flush=True)
+        report_setup_errors(errors, rank)
         return 2
+    if rank == 0 and list_size > config.SLOW_SCHEDULE_MICROBATCHES:
+        log.info("building the %s action lists of %d microbatches on every rank (up to minutes for 10^6)",
+                 plan.schedule, list_size)
     try:
         return run(args, spec, plan, comm)
     except StopTraining as e:  # every rank stopped at the same step boundary
         if rank == 0:
-            print(f"pipeflow-train: {e}", file=sys.stderr, flush=True)
+            say(f"pipeflow-train: {e}")
         return e.code
     except AgreedError as e:
-        print(f"pipeflow-train: error: [rank {rank}] {e}", file=sys.stderr, flush=True)
+        if rank == 0:
+            say(f"pipeflow-train: error: {e}")
         return 2
     except NonFiniteError as e:  # asynchronous schedules: no common boundary to stop at together
-        print(f"pipeflow-train: error: [rank {rank}] {e}", file=sys.stderr, flush=True)
+        say(f"pipeflow-train: error: [rank {rank}] {e}")
         comm.Abort(EXIT_NONFINITE)
         return EXIT_NONFINITE
     except (UsageError, PlanError, ScheduleError) as e:
-        print(f"pipeflow-train: error: [rank {rank}] {e}", file=sys.stderr, flush=True)
+        say(f"pipeflow-train: error: [rank {rank}] {e}")
         comm.Abort(2)
         return 2
-    except Exception:
-        traceback.print_exc()
+    except Exception as e:
         silent = watchdog.suspects()  # a transfer failed: was it a dead or stopped peer?
-        cause = f": rank {', '.join(map(str, silent))} stopped responding (no heartbeat)" if silent else ""
-        print(f"pipeflow-train: rank {rank} failed (traceback above){cause}; stopping all ranks", file=sys.stderr,
-              flush=True)
+        if silent:  # the peer's failure is the news; this rank's traceback would only bury it
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            say(f"pipeflow-train: error: [rank {rank}] rank {', '.join(map(str, silent))} stopped responding "
+                f"(no heartbeat; here: {first}). Stopping all ranks.")
+            comm.Abort(EXIT_FAILED)
+            return EXIT_FAILED
+        traceback.print_exc()
+        say(f"pipeflow-train: rank {rank} failed (traceback above); stopping all ranks")
         comm.Abort(1)
         return 1
 
