@@ -62,19 +62,25 @@ def check_environment(environ: Mapping[str, str]) -> None:
         p2p_max_ctas(environ)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    dump = environ.get("PIPEFLOW_STACK_DUMP_S")
-    if dump:
-        try:
-            ok = math.isfinite(float(dump)) and float(dump) > 0
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ConfigError(f"PIPEFLOW_STACK_DUMP_S must be a number of seconds > 0, found {dump!r}")
+    text = environ.get("PIPEFLOW_STACK_DUMP_S")
+    if text and stack_dump_seconds(environ) is None:
+        raise ConfigError(f"PIPEFLOW_STACK_DUMP_S must be a number of seconds > 0, found {text!r}")
+
+
+def stack_dump_seconds(environ: Mapping[str, str]) -> float | None:
+    """PIPEFLOW_STACK_DUMP_S as seconds, or None when unset or invalid (check_environment reports it)."""
+    try:
+        seconds = float(environ.get("PIPEFLOW_STACK_DUMP_S") or "nan")
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds > 0 else None
 
 
 def check_args(args: Any, environ: Mapping[str, str]) -> None:
     """Every check that needs neither the model nor the plan."""
     check_optimizer(args)
+    if not math.isfinite(args.timeout):
+        raise ConfigError(f"--timeout must be a finite number of seconds > 0, found {args.timeout}")
     if args.max_skips < 0:
         raise ConfigError(f"--max-skips must be >= 0 (0: never stop), found {args.max_skips}")
     if args.microbatches is not None:

@@ -213,10 +213,11 @@ def setup_logging(rank: int, size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if os.environ.get("PIPEFLOW_STACK_DUMP_S"):  # debugging a hang: every thread's stack, then exit
+    dump = config.stack_dump_seconds(os.environ)  # a bad value is reported with the other set-up errors
+    if dump:  # debugging a hang: every thread's stack, then exit
         import faulthandler
 
-        faulthandler.dump_traceback_later(float(os.environ["PIPEFLOW_STACK_DUMP_S"]), exit=True)
+        faulthandler.dump_traceback_later(dump, exit=True)
     from mpi4py import MPI
 
     from pipeflow.failure import Watchdog, write_pid_file
@@ -227,7 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     # Peer heartbeats: a rank that dies or stops ends the job within --timeout, even where MPI would wait.
     watchdog = Watchdog(comm, args.timeout if args.timeout > 0 else 300.0).start()
     atexit.register(watchdog.stop)
-    code = _main(args, comm, watchdog)
+    try:
+        code = _main(args, comm, watchdog)
+    except KeyboardInterrupt:  # SIGINT outside the training steps (which stop at a boundary): set-up, save
+        if comm.Get_rank() == 0:
+            from pipeflow.failure import say
+
+            say("pipeflow-train: stopped by SIGINT outside the training steps; nothing saved")
+        sys.stderr.flush()
+        os._exit(130)  # 128 + SIGINT; threads may be inside gloo: leave without unwinding them
     watchdog.stop(sync=True)  # _main returns on all ranks together: none beats at a finalised peer
     return code
 

@@ -44,6 +44,8 @@ def nan_data_mlp(**kw: int) -> ModelSpec:
     (["--weight-decay", "-0.1"], {}, "--weight-decay must be a finite number >= 0, found -0.1"),
     (["--weight-decay", "nan"], {}, "--weight-decay must be a finite number >= 0, found nan"),
     (["--max-skips", "-1"], {}, "--max-skips must be >= 0 (0: never stop), found -1"),
+    (["--timeout", "inf"], {}, "--timeout must be a finite number of seconds > 0, found inf"),
+    (["--timeout", "nan"], {}, "--timeout must be a finite number of seconds > 0, found nan"),
     (["--microbatches", "100000000"], {}, "--microbatches gives 100000000 microbatches in one schedule, more than "
                                           "the 1000000 pipeflow can build"),
     ([], {"PIPEFLOW_LOG": "verbose"}, "PIPEFLOW_LOG must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL (or a "
@@ -155,6 +157,7 @@ def test_bad_setups_end_to_end_print_one_whole_line(tmp_path):
         "zb": (2, [*BASE, "--plan", str(zb)], {"PIPEFLOW_LOG": "INFO"}),
         "huge m": (2, [*BASE, "--microbatches", "100000000"], {}),
         "nan": (2, nan, {}),
+        "log level": (2, BASE, {"PIPEFLOW_LOG": "verbose"}),
     })
     for name, want, code in [
         ("os:system", "pipeflow-train: error: --model 'os:system' names Python's standard library, which has no "
@@ -166,6 +169,8 @@ def test_bad_setups_end_to_end_print_one_whole_line(tmp_path):
         ("nan", "pipeflow-train: non-finite loss on stage 1 (the last) and gradients on stages 0, 1 at step 3: "
                 "3 consecutive steps skipped (3 in all; --skip-nonfinite stops after --max-skips 3 in a row), "
                 "the run is not recovering. Lower --lr or check the data", 4),
+        ("log level", "pipeflow-train: error: PIPEFLOW_LOG must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL (or "
+                      "a number), found 'verbose'", 2),
     ]:
         rc, err, took = runs[name]
         lines = [line for line in err.splitlines() if "pipeflow-train" in line]
