@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from partitioner.plan import Plan, PlanError
+from pipeflow.outputs import prepare_outputs
 from pipeflow.schedule import SCHEDULES, ScheduleError
 from pipeflow.spec import ModelError, ModelSpec, build_model, parse_model_args
 
@@ -220,6 +221,7 @@ def _main(args: argparse.Namespace, comm: Any, watchdog: Any) -> int:
     error: str | None = None
     try:
         check_args(args)
+        prepare_outputs(args, rank)  # every output path writable; rank 0 locks --checkpoint-dir until it exits
         spec = build_model(args.model, parse_model_args(args.model_args), seed=args.seed)
         plan = make_plan(args, spec, size, rank, comm)
     except (UsageError, PlanError, ModelError, ScheduleError, ValueError) as e:
@@ -328,25 +330,32 @@ def run(args: argparse.Namespace, spec: ModelSpec, plan: Plan, comm: Any) -> int
         peaks = comm.gather(torch.cuda.max_memory_allocated(world.device), root=0)
         if world.rank == 0:
             log.info("peak GPU memory per rank (GiB): %s", [round(p / 2**30, 2) for p in peaks])
-    if args.save:
-        save_model(engine, args.save, comm)
+    save_error = save_model(engine, args.save, comm, args.checkpoint_dir) if args.save else None
     comm.Barrier()
     if torch.distributed.is_initialized():
         # NCCL may hang at interpreter exit when its process group is left for the destructor.
         torch.distributed.destroy_process_group()
+    if save_error:
+        from pipeflow.failure import AgreedError
+
+        raise AgreedError(save_error)
     return 0
 
 
-def save_model(engine: Any, path: str, comm: Any) -> None:
-    """One state_dict with nn.Sequential(*spec.layers)'s keys, gathered on rank 0 from each stage's replica 0."""
+def save_model(engine: Any, path: str, comm: Any, checkpoint_dir: str | None = None) -> str | None:
+    """One state_dict with nn.Sequential(*spec.layers)'s keys, gathered on rank 0 from each stage's replica 0.
+    Collective; returns None, or on every rank the line saying that --save failed and where the weights went."""
+    from pipeflow.outputs import write_model
+
     mine = (engine.stage.start, engine.state_dict()) if engine.r == 0 else None
     parts = comm.gather(mine, root=0)
+    error = None
     if comm.Get_rank() == 0:
         full: dict[str, torch.Tensor] = {}
         for _, part in sorted((p for p in parts if p is not None), key=lambda p: p[0]):
             full.update(part)
-        torch.save(full, path)
-        log.info("saved %d tensors to %s", len(full), path)
+        error = write_model(full, path, checkpoint_dir)
+    return comm.bcast(error, root=0)
 
 
 if __name__ == "__main__":
