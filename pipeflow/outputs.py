@@ -49,9 +49,14 @@ def _probe(d: Path) -> str | None:
     return None
 
 
+def _through_link(path: str) -> Path:
+    """Where writing `path` lands: a symlink is written through (as torch.save(path) does), not replaced."""
+    return Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
+
+
 def check_file(flag: str, path: str) -> None:
     """A file written at the end (--save, --trace): its directory exists and takes new files."""
-    p = Path(path)
+    p = _through_link(path)
     if p.is_dir():
         example = "trace.json" if flag == "--trace" else "model.pt"
         raise OutputError(f"{flag} {path}: is a directory; expected a file name in it (e.g. {p / example})")
@@ -106,9 +111,11 @@ class CheckpointLock:
         try:
             fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EAGAIN):  # e.g. ENOLCK: an NFS mount without lock daemon
+                log.warning("--checkpoint-dir %s: cannot lock %s (%s); a second training on this directory would "
+                            "not be refused", directory, self.path, e.strerror)
+                return
             os.close(self.fd)
-            if e.errno not in (errno.EACCES, errno.EAGAIN):
-                raise OutputError(f"--checkpoint-dir {directory}: cannot lock {self.path}: {e.strerror}") from None
             raise OutputError(f"--checkpoint-dir {directory} is in use by another training ({holder(self.path)}; "
                               f"lock file {self.path}): wait for it to end, or pass another --checkpoint-dir") from None
         info = {"host": socket.gethostname(), "pid": os.getpid(),
@@ -147,7 +154,7 @@ def write_model(state: dict[str, Any], path: str, checkpoint_dir: str | None) ->
     from pipeflow.checkpoint import reason, write_torch
 
     try:
-        write_torch(Path(path), state)
+        write_torch(_through_link(path), state)
         log.info("saved %d tensors to %s", len(state), path)
         return None
     except (OSError, RuntimeError) as e:

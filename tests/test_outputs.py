@@ -117,6 +117,17 @@ def test_failed_save_without_checkpoint_dir_goes_to_the_working_directory(tiny_f
     assert list(tiny_fs.iterdir()) == []  # the atomic write removed its partial temporary file
 
 
+def test_save_through_a_symlink_writes_its_target(tmp_path):
+    """The atomic write (temporary file, rename) must not replace a symlinked --save with a file."""
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "model.pt"
+    link.symlink_to(tmp_path / "real" / "model.pt")
+    check_outputs(outputs(save=str(link)))
+    assert write_model({"w": torch.ones(2)}, str(link), None) is None
+    assert link.is_symlink()
+    assert torch.equal(torch.load(tmp_path / "real" / "model.pt", weights_only=True)["w"], torch.ones(2))
+
+
 # ------------------------------------------------------------------------------ under mpirun
 
 
