@@ -17,7 +17,7 @@ from partitioner.profiler import profile_model
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.spec import build_model
 from pipeflow.stage import Stage
-from tests.conftest import BIN, run_mpi, write_plan
+from tests.conftest import BIN, mpi_env, run_mpi, write_plan
 from tests.reference import reference_flush, seed_of
 
 DROP = "tests.models:dropout_mlp"
@@ -146,6 +146,20 @@ def test_profile_refuses_a_microbatch_that_cannot_fit(tmp_path: Path, model: str
     assert re.fullmatch(rf"pipeflow-profile: error: --microbatch-size {size} cannot work: {text}; use a smaller "
                         r"--microbatch-size", lines[0]), lines[0]
     assert not out.exists()
+
+
+def test_dropout_benchmark_prints_its_line_on_cpu() -> None:
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "bench_dropout_rng.py"
+    proc = subprocess.run([sys.executable, str(bench), "--iters", "2", "--rounds", "1"], capture_output=True,
+                          text=True, timeout=120, env={**mpi_env(), "PYTHONPATH": str(bench.parents[2])})
+    assert proc.returncode == 0, proc.stderr
+    ms = r"(\d+\.\d{3})"
+    m = re.fullmatch(rf"bench_dropout_rng: cpu, gpt 2x64 seq 32 microbatch 4 float32, dropout 0.1: seeded {ms} "
+                     rf"ms/microbatch, plain {ms} ms/microbatch, ratio (\d+\.\d{{3}}) \(no dropout {ms} ms; 4 seeded "
+                     r"layers per microbatch\)\n", proc.stdout)
+    assert m, proc.stdout
+    seeded, plain, ratio = float(m.group(1)), float(m.group(2)), float(m.group(3))
+    assert seeded > 0 and plain > 0 and ratio == pytest.approx(seeded / plain, abs=2e-3)
 
 
 # ---------------------------------------------------------------------------------------------- mpirun
