@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--momentum", type=float, default=0.0)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="cast the model to this dtype (default: keep the dtype its builder gave it)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a rank waits for a peer before failing")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="write checkpoints to DIR/step-NNNNNN/ (a file per stage, then a COMPLETE marker)")
@@ -147,8 +148,8 @@ def plan_on_the_spot(args: argparse.Namespace, spec: ModelSpec, world_size: int,
                                      microbatches=args.microbatches or 8, topology=args.topology,
                                      memory_per_worker=args.memory_per_worker, straight=args.straight,
                                      optimizer=args.optimizer)
-            log.info("profiled %d layers on %s and planned for %d workers in %.1f s (no --plan given); "
-                     "predicted %s", len(spec.layers), device, world_size, time.perf_counter() - t0,
+            log.info("profiled %d layers on %s in %s and planned for %d workers in %.1f s (no --plan given); "
+                     "predicted %s", len(spec.layers), device, profile.dtype, world_size, time.perf_counter() - t0,
                      {k: v for k, v in plan.predicted.items() if k != "peak_memory_bytes"})
             result = ("plan", plan.to_json())
         except (ValueError, RuntimeError) as e:
@@ -282,11 +283,15 @@ def run(args: argparse.Namespace, spec: ModelSpec, plan: Plan, comm: Any) -> int
                       config=vars(args))
     engine = Engine(world, plan, spec, schedule=plan.schedule, optimizer_factory=make_optimizer(args),
                     warmup=resolve_warmup(args.warmup, plan),
-                    loader=loader, dtype=DTYPES[args.dtype], total_steps=args.steps, timer=monitor.timer,
-                    vertical_sync=args.vertical_sync,
+                    loader=loader, dtype=DTYPES[args.dtype] if args.dtype else None, total_steps=args.steps,
+                    timer=monitor.timer, vertical_sync=args.vertical_sync, seed=args.seed,
                     segment_steps=(min(args.checkpoint_every, args.steps) or None) if args.checkpoint_dir else None)
+    info = run_info(args, spec, plan)
+    # This rank keeps only its own stage's layers (engine.stage): drop the model-wide list so that the
+    # other stages' layers are freed (issue 10, item 3).
+    spec.layers = []
     # Resume, checkpoints, signals and non-finite checks at step boundaries (failure.py, checkpoint.py).
-    supervisor = Supervisor(args, engine, comm, run_info(args, spec, plan))
+    supervisor = Supervisor(args, engine, comm, info)
     start = supervisor.start()
     every = args.log_every or max(1, args.steps // 10)
     last_reported = start
