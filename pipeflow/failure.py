@@ -394,22 +394,17 @@ class Supervisor:
         """Resume if asked (every rank agrees on the outcome); install the guard and signal handlers.
         Returns the number of steps already done."""
         from pipeflow import checkpoint
+        from pipeflow.resume import choose
 
         step, error = 0, None
         if self.args.resume:
-            found: tuple[str | None, dict[str, Any] | None, str | None] = (None, None, None)
-            if self.comm.Get_rank() == 0:  # one rank resolves "latest", so that all load the same step
-                try:
-                    d = checkpoint.resolve(self.args.resume, self.args.checkpoint_dir)
-                    found = (str(d), checkpoint.read_marker(d), None) if d else (None, None, None)
-                except checkpoint.CheckpointError as e:
-                    found = (None, None, str(e))
-            path, marker, error = self.comm.bcast(found, root=0)
-            if error is None and path is not None:
-                try:
-                    step = checkpoint.load(self.engine, Path(path), self.run_info, marker)
-                except checkpoint.CheckpointError as e:
-                    error = str(e)
+            path: Path | None = None
+            try:  # the newest complete checkpoint whose files verify, the same on every rank
+                path, marker = choose(self.comm, self.args.resume, self.args.checkpoint_dir)
+                if path is not None:
+                    step = checkpoint.load(self.engine, path, self.run_info, marker)
+            except checkpoint.CheckpointError as e:
+                error = str(e)
             error = agree(self.comm, error)
             if error:
                 raise AgreedError(error)
@@ -419,6 +414,10 @@ class Supervisor:
                                 self.args.checkpoint_dir)
                 else:
                     log.info("resumed from %s: continuing after step %d", path, step)
+            if step >= self.args.steps:  # say so rather than do nothing silently
+                raise StopTraining(f"nothing to train: the checkpoint {path} is at step {step} and --steps is "
+                                   f"{self.args.steps}; pass --steps above {step} to train on"
+                                   + (f" (--save {self.args.save} not written)" if self.args.save else ""), 0)
         self.saved_step = step
         self.engine.step_guard = self.guard
         # Asynchronous pipelines stop at segment boundaries (after_segment), which exist with --checkpoint-dir;
@@ -446,8 +445,6 @@ class Supervisor:
         through one allreduce whether a rank was signalled; checkpoint (with --checkpoint-dir); stop if agreed."""
         from mpi4py import MPI
 
-        from pipeflow import checkpoint
-
         if not self.args.checkpoint_dir:
             return
         mine = np.zeros(2, dtype=np.int64)
@@ -456,10 +453,7 @@ class Supervisor:
         every = np.empty_like(mine)
         self.comm.Allreduce(mine, every, op=MPI.MAX)
         if step != self.saved_step:
-            self.saved = checkpoint.save(self.engine, self.args.checkpoint_dir, step, self.comm, self.run_info)
-            self.saved_step = step
-            if self.comm.Get_rank() == 0:
-                log.info("checkpoint %s", self.saved)
+            self._checkpoint(step)
         if every[0]:
             name = signal.Signals(int(every[0])).name
             where = f"; checkpoint saved in {self.saved} (resume with --resume)" if self.saved is not None else ""
@@ -469,8 +463,6 @@ class Supervisor:
     def after_step(self, step: int) -> None:
         """At the boundary after `step` steps (flush schedules; the guard agreed at their STEP):
         checkpoint if due, stop if agreed."""
-        from pipeflow import checkpoint
-
         self.done = step
         if not self.engine.flush:
             return
@@ -481,15 +473,24 @@ class Supervisor:
         if g.lagged and (step == self.args.steps or (self.args.checkpoint_dir and due)):
             g.flush_pending()  # a checkpoint (or the end) must know this step's flags: all ranks call this
         if self.args.checkpoint_dir and due and g.exit_code != EXIT_NONFINITE and step != self.saved_step:
-            self.saved = checkpoint.save(self.engine, self.args.checkpoint_dir, step, self.comm, self.run_info)
-            self.saved_step = step
-            if self.comm.Get_rank() == 0:
-                log.info("checkpoint %s", self.saved)
+            self._checkpoint(step)
         if g.stop_reason is not None:
             where = ""
             if self.saved is not None and self.saved_step == step and g.exit_code != EXIT_NONFINITE:
                 where = f"; checkpoint saved in {self.saved} (resume with --resume)"
             raise StopTraining(g.stop_reason + where, g.exit_code)
+
+    def _checkpoint(self, step: int) -> None:
+        """Collective save; a failed one (disk full, directory gone) ends the run on every rank with its one line."""
+        from pipeflow import checkpoint
+
+        try:
+            self.saved = checkpoint.save(self.engine, self.args.checkpoint_dir, step, self.comm, self.run_info)
+        except checkpoint.CheckpointError as e:
+            raise AgreedError(str(e)) from None
+        self.saved_step = step
+        if self.comm.Get_rank() == 0:
+            log.info("checkpoint %s", self.saved)
 
     def close(self) -> None:
         self.signals.restore()

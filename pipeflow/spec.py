@@ -33,6 +33,12 @@ class ModelSpec:
                 raise TypeError(f"ModelSpec.layers[{i}] is {type(layer).__name__}, expected an nn.Module")
 
 
+def model_dtype(module: nn.Module) -> torch.dtype | None:
+    """The dtype of the first floating-point parameter: what a model built without --dtype computes in
+    (DESIGN.md, Reproducibility); None when it has none."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+
+
 BUILTIN_MODELS = {
     "gpt": "pipeflow.models.gpt:build",
     "mlp": "pipeflow.models.mlp:build",

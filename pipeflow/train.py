@@ -22,6 +22,7 @@ import torch
 
 from partitioner.plan import Plan, PlanError
 from pipeflow import config
+from pipeflow.outputs import prepare_outputs
 from pipeflow.schedule import SCHEDULES, ScheduleError
 from pipeflow.spec import ModelError, ModelSpec, build_model, parse_model_args
 
@@ -63,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--momentum", type=float, default=0.0)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="cast the model to this dtype (default: keep the dtype its builder gave it)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a rank waits for a peer before failing")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="write checkpoints to DIR/step-NNNNNN/ (a file per stage, then a COMPLETE marker)")
@@ -163,8 +165,8 @@ def plan_on_the_spot(args: argparse.Namespace, spec: ModelSpec, world_size: int,
                                      microbatches=args.microbatches or 8, topology=args.topology,
                                      memory_per_worker=args.memory_per_worker, straight=args.straight,
                                      optimizer=args.optimizer)
-            log.info("profiled %d layers on %s and planned for %d workers in %.1f s (no --plan given); "
-                     "predicted %s", len(spec.layers), device, world_size, time.perf_counter() - t0,
+            log.info("profiled %d layers on %s in %s and planned for %d workers in %.1f s (no --plan given); "
+                     "predicted %s", len(spec.layers), device, profile.dtype, world_size, time.perf_counter() - t0,
                      {k: v for k, v in plan.predicted.items() if k != "peak_memory_bytes"})
             result = ("plan", plan.to_json())
         except (ValueError, RuntimeError) as e:
@@ -262,6 +264,7 @@ def _main(args: argparse.Namespace, comm: Any, watchdog: Any) -> int:
     error: str | None = None
     try:
         check_args(args)
+        prepare_outputs(args, rank)  # every output path writable; rank 0 locks --checkpoint-dir until it exits
         spec = build_model(args.model, parse_model_args(args.model_args), seed=args.seed)
         plan = make_plan(args, spec, size, rank, comm)
         list_size = config.check_plan(plan, args, SCHEDULES)
@@ -329,11 +332,15 @@ def run(args: argparse.Namespace, spec: ModelSpec, plan: Plan, comm: Any) -> int
                       config=vars(args))
     engine = Engine(world, plan, spec, schedule=plan.schedule, optimizer_factory=make_optimizer(args),
                     warmup=resolve_warmup(args.warmup, plan),
-                    loader=loader, dtype=DTYPES[args.dtype], total_steps=args.steps, timer=monitor.timer,
-                    vertical_sync=args.vertical_sync,
+                    loader=loader, dtype=DTYPES[args.dtype] if args.dtype else None, total_steps=args.steps,
+                    timer=monitor.timer, vertical_sync=args.vertical_sync, seed=args.seed,
                     segment_steps=(min(args.checkpoint_every, args.steps) or None) if args.checkpoint_dir else None)
+    info = run_info(args, spec, plan)
+    # This rank keeps only its own stage's layers (engine.stage): drop the model-wide list so that the
+    # other stages' layers are freed (issue 10, item 3).
+    spec.layers = []
     # Resume, checkpoints, signals and non-finite checks at step boundaries (failure.py, checkpoint.py).
-    supervisor = Supervisor(args, engine, comm, run_info(args, spec, plan))
+    supervisor = Supervisor(args, engine, comm, info)
     start = supervisor.start()
     every = args.log_every or max(1, args.steps // 10)
     last_reported = start
@@ -377,25 +384,32 @@ def run(args: argparse.Namespace, spec: ModelSpec, plan: Plan, comm: Any) -> int
         peaks = comm.gather(torch.cuda.max_memory_allocated(world.device), root=0)
         if world.rank == 0:
             log.info("peak GPU memory per rank (GiB): %s", [round(p / 2**30, 2) for p in peaks])
-    if args.save:
-        save_model(engine, args.save, comm)
+    save_error = save_model(engine, args.save, comm, args.checkpoint_dir) if args.save else None
     comm.Barrier()
     if torch.distributed.is_initialized():
         # NCCL may hang at interpreter exit when its process group is left for the destructor.
         torch.distributed.destroy_process_group()
+    if save_error:
+        from pipeflow.failure import AgreedError
+
+        raise AgreedError(save_error)
     return 0
 
 
-def save_model(engine: Any, path: str, comm: Any) -> None:
-    """One state_dict with nn.Sequential(*spec.layers)'s keys, gathered on rank 0 from each stage's replica 0."""
+def save_model(engine: Any, path: str, comm: Any, checkpoint_dir: str | None = None) -> str | None:
+    """One state_dict with nn.Sequential(*spec.layers)'s keys, gathered on rank 0 from each stage's replica 0.
+    Collective; returns None, or on every rank the line saying that --save failed and where the weights went."""
+    from pipeflow.outputs import write_model
+
     mine = (engine.stage.start, engine.state_dict()) if engine.r == 0 else None
     parts = comm.gather(mine, root=0)
+    error = None
     if comm.Get_rank() == 0:
         full: dict[str, torch.Tensor] = {}
         for _, part in sorted((p for p in parts if p is not None), key=lambda p: p[0]):
             full.update(part)
-        torch.save(full, path)
-        log.info("saved %d tensors to %s", len(full), path)
+        error = write_model(full, path, checkpoint_dir)
+    return comm.bcast(error, root=0)
 
 
 if __name__ == "__main__":

@@ -161,7 +161,7 @@ def stopped_at_7(tmp_path_factory) -> Path:
 
 
 def test_resume_is_exact(tmp_path, uninterrupted, stopped_at_7):
-    assert sorted(p.name for p in stopped_at_7.iterdir()) == ["step-000005", "step-000007"]
+    assert sorted(p.name for p in stopped_at_7.iterdir()) == ["pipeflow.lock", "step-000005", "step-000007"]
     assert sorted(p.name for p in (stopped_at_7 / "step-000005").iterdir()) == [
         "COMPLETE", "stage-000.pt", "stage-001.pt"]
     out = tmp_path / "resumed.pt"
