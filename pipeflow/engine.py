@@ -80,7 +80,7 @@ class Engine:
         self.p2p = P2P(world, self._make_channels(), window=self._send_window())
         self.p2p.warm_up()
         self._logged_peak = 0
-        tied = {id(spec.layers[i].get_parameter(name)) for t in self.ties for i, name in t.uses}
+        tied = {id(p) for _, p in self._tied_here()}
         self.tie_reducers = [GradReducer(params, group, overlap=False) for params, group in self._tie_groups()]
         self.reducer: GradReducer | None = None
         if st.replicas > 1:
@@ -171,16 +171,23 @@ class Engine:
         self.tie_groups = new_groups(self.world, [t.ranks for t in self.ties])
         return groups
 
+    def _tied_here(self) -> list[tuple[Tie, torch.nn.Parameter]]:
+        """The ties this stage holds, each with its parameter as this stage's module holds it."""
+        start, end = self.stage.start, self.stage.start + len(self.stage.module)
+        out = []
+        for t in self.ties:
+            here = [(i, n) for i, n in t.uses if start <= i < end]
+            if here:
+                i, name = here[0]
+                out.append((t, self.stage.module[i - start].get_parameter(name)))
+        return out
+
     def _tie_groups(self) -> list[tuple[list[torch.nn.Parameter], Any]]:
         """(this rank's tied parameters, group) per tie rank set this rank is in, in the same order on
         every rank, so that the all-reduces of _step are issued in one global order."""
         by_ranks: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
-        st = self.plan.stages[self.s]
-        for t in self.ties:
-            if self.world.rank not in t.ranks:
-                continue
-            i, name = next((i, n) for i, n in t.uses if st.layers[0] <= i < st.layers[1])
-            by_ranks.setdefault(tuple(t.ranks), []).append(self.spec.layers[i].get_parameter(name))
+        for t, p in self._tied_here():
+            by_ranks.setdefault(tuple(t.ranks), []).append(p)
         return [(params, self.tie_groups[ranks]) for ranks, params in by_ranks.items()]
 
     # ------------------------------------------------------------------ execution

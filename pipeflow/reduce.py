@@ -78,7 +78,11 @@ class GradReducer:
         ps = self.buckets[b]
         grads = [p.grad for p in ps]
         ref = next((g for g in grads if g is not None), ps[0])
-        flags = torch.tensor([g is not None for g in grads], dtype=ref.dtype, device=ref.device)
+        # Presence flags filled on the device: torch.tensor(list) would copy from the host and sync.
+        flags = torch.ones(len(ps), dtype=ref.dtype, device=ref.device)
+        for k, g in enumerate(grads):
+            if g is None:
+                flags[k].zero_()
         flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, ps)]
                          + [flags])
         work = dist.all_reduce(flat, group=self.group, async_op=True)
