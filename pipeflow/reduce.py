@@ -25,10 +25,12 @@ class GradReducer:
     Readiness is decided per backward, not per hook call: `arm(roots)` walks the armed backward's graph and
     expects the parameters whose AccumulateGrad node it reaches. Autograd runs that node once per backward
     (a parameter used twice has its two gradients summed in the node's input buffer first), so each
-    expected hook fires once and a bucket launches when all its expected parameters have fired. A Python
-    autograd Function in the graph may run a nested backward (reentrant checkpointing) that accumulates into
-    parameters outside that count, any number of times: then nothing launches before `finish()`. With
-    `overlap=False` (tied parameters) everything launches in `finish()`.
+    expected hook fires once and a bucket launches when all its expected parameters have fired; the others'
+    gradients are already final. Nothing launches before `finish()` when the graph reaches none of the
+    parameters (a stashed copy's graph: stash.py adds those gradients after the backward) or holds a Python
+    autograd Function, which may run nested backwards (reentrant checkpointing) that accumulate into
+    parameters outside that count, any number of times. With `overlap=False` (tied parameters) everything
+    launches in `finish()`.
     """
 
     def __init__(self, params: list[nn.Parameter], group: Any, *, average: bool = False,
@@ -45,7 +47,6 @@ class GradReducer:
             size += p.numel() * p.element_size()
         self.bucket_of = {p: b for b, ps in enumerate(self.buckets) for p in ps}
         self.waiting = [0] * len(self.buckets)  # expected parameters of each bucket not final yet
-        self.expecting = [False] * len(self.buckets)
         self.next = 0
         self.works: list[tuple[Any, torch.Tensor, int, bool]] = []  # (work, flat, bucket, all present here)
         self.armed = False
@@ -57,20 +58,19 @@ class GradReducer:
         """The backward from `roots` is this member's last of the step: reduce as gradients become final."""
         self.next = 0
         leaves, nested = _graph_leaves(roots)
-        self.armed = not nested
-        if not self.armed:  # a nested backward may add to any parameter: wait for finish()
-            return
         self.waiting = [sum(id(p) in leaves for p in ps) for ps in self.buckets]
-        # Buckets none of whose parameters this backward reaches (unused, or a stashed copy's graph:
-        # stash.py adds those gradients after the backward) must wait for finish() too.
-        self.expecting = [w > 0 for w in self.waiting]
+        self.armed = not nested and any(self.waiting)
+        if self.armed:
+            self._advance()
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self.armed:
             return
-        b = self.bucket_of[p]  # type: ignore[index]
-        self.waiting[b] -= 1
-        while self.next < len(self.buckets) and self.expecting[self.next] and self.waiting[self.next] == 0:
+        self.waiting[self.bucket_of[p]] -= 1  # type: ignore[index]
+        self._advance()
+
+    def _advance(self) -> None:
+        while self.next < len(self.buckets) and self.waiting[self.next] == 0:
             self._launch(self.next)
             self.next += 1
 

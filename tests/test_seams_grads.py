@@ -232,3 +232,66 @@ def test_async_data_parallel_replicas_average_their_gradients(tmp_path):
     delayed = reference_delayed("mlp", MLP, schedule="async", stages=[(6, 2)], steps=3, microbatches=2,
                                 microbatch_size=B, optimizer="sgd", lr=0.05, momentum=0.9)
     assert_same(delayed, want)
+
+
+# ------------------------------------------------------------------ the reducer in one process
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo world of one in this process: the reducer's collectives run, the sums are the inputs."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_reducer_launches_during_backward_only_what_is_final(one_rank_group):
+    """Buckets of one parameter each. A plain backward launches every bucket during the backward (overlap),
+    an unused parameter's as soon as the buckets before it are out (its gradient is final: none) and it
+    keeps grad=None; a graph through reentrant checkpointing (nested backwards) launches nothing before
+    finish(), nor one that reaches none of the parameters (a stashed copy's)."""
+    from pipeflow.reduce import GradReducer
+    from tests.models_grads import Twice
+
+    torch.manual_seed(0)
+    used, spare, out = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+    params = [*used.parameters(), *spare.parameters(), *out.parameters()]
+    red = GradReducer(params, one_rank_group, bucket_bytes=1)
+    assert len(red.buckets) == 6
+    loss = out(torch.tanh(used(torch.randn(3, 4)))).sum()
+    red.arm([loss])
+    assert red.works == []
+    launched = []
+    used.weight.register_post_accumulate_grad_hook(lambda p: launched.append(len(red.works)))
+    loss.backward()
+    # Reverse order: out.bias, out.weight, spare.bias, spare.weight, used.bias, used.weight (the last).
+    assert launched == [6] and [b for _, _, b, _ in red.works] == [0, 1, 2, 3, 4, 5]  # all, in backward
+    want = {id(p): None if p.grad is None else p.grad.clone() for p in params}
+    red.finish()
+    assert spare.weight.grad is None and spare.bias.grad is None
+    for p in params:
+        if want[id(p)] is not None:
+            torch.testing.assert_close(p.grad, want[id(p)], rtol=0, atol=0)
+
+    twice = Twice(4)
+    red = GradReducer(list(twice.parameters()), one_rank_group, bucket_bytes=1)
+    x = torch.randn(3, 4, requires_grad=True)
+    loss = twice(x).sum()
+    red.arm([loss])
+    loss.backward()
+    assert red.works == []
+    ref = Twice(4)
+    ref.load_state_dict(twice.state_dict())
+    ref(x.detach().requires_grad_(True)).sum().backward()
+    red.finish()
+    for p, q in zip(twice.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+    copy = nn.Linear(4, 2)  # stash.py: the forward ran on a copy, whose gradients reach .grad afterwards
+    red = GradReducer(list(out.parameters()), one_rank_group, bucket_bytes=1)
+    loss = copy(torch.randn(3, 4)).sum()
+    red.arm([loss])
+    loss.backward()
+    assert red.works == []
