@@ -143,13 +143,15 @@ class P2P:
         self.peak_pending_bytes = 0
 
     def set_window(self, window: int) -> None:
-        """Sends to keep in flight before waiting for the oldest: what the schedule keeps in flight. A
-        send's receiver posts its receive before using what this rank sent earlier, so the oldest of more
-        than that many sends is already matched: waiting for it cannot deadlock (DESIGN.md, Equivalence)."""
+        """Sends to keep before waiting for the oldest (Engine._send_window: what the schedule keeps in
+        flight, with slack). Once a rank has posted that many later sends, the peers have answered later
+        microbatches than the oldest, and they receive in order: its receive is posted, so waiting for it
+        cannot deadlock. Memory held by sends then does not grow with m (DESIGN.md, Equivalence)."""
         self.window = window
 
     def _reap(self) -> None:
-        """Drop the sends that completed (polled, never waited for), freeing their buffers."""
+        """Drop the sends that completed (polled, never waited for), freeing their buffers. NCCL's works
+        report completion when polled; gloo's send works only after wait(), so on CPU the window bounds them."""
         self.pending_sends = [s for s in self.pending_sends if not all(w.is_completed() for w in s[0])]
 
     def _group(self, src: int, dst: int, direction: str) -> Any:
