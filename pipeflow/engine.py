@@ -112,16 +112,17 @@ class Engine:
             self.p2p.set_window(self._send_window())
 
     def _send_window(self) -> int:
-        """Sends a rank may keep in flight before it waits for its oldest (comm.P2P): twice the most
-        microbatches any worker of the schedule holds between F and B (activations out, gradients back),
-        plus a round of replicas; under 1f1b that is about 2 x stages, whatever m (DESIGN.md, Equivalence)."""
+        """Sends a rank may keep before it waits for its oldest (comm.P2P), from M, the most microbatches
+        any worker holds between F and B, and R, the most replicas: among 3(M + R) + 2 later sends, at least
+        M + R are gradients or follow backwards, so the peers have gone past the oldest one's receive
+        (they run F and B in microbatch order, at most M ahead). Under 1f1b M <= stages, whatever m."""
         most = 0
         for acts in self.sched.actions:
             held = 0
             for a in acts:
                 held += (a.kind == "F") - (a.kind == "B")
                 most = max(most, held)
-        return 2 * (most + max(self.plan.replicas)) + 2
+        return 3 * (most + max(self.plan.replicas)) + 2
 
     def _new_policy(self) -> None:
         from pipeflow.stash import StashPolicy, version_fn  # stash.py subclasses WeightPolicy
