@@ -1,16 +1,26 @@
 """PipeDream's partitioning DP (SOSP'19 §3.1), hierarchical and vectorized with numpy; pure (no torch).
 
-Cost model (time per minibatch of m microbatches, ms). A stage [i, j) on r units of level k, linked at
-bandwidth bw_k, costs
+The DP computes, for every plan, a LOWER BOUND of its simulated step time (partitioner/simulate.py replays
+the real schedule): the busiest worker's own work. The search (partitioner/search.py) then visits plans in
+order of this bound and lets the simulator decide, so the plan chosen is the best one the simulator knows.
 
-    stage(i, j, r) = U(i, j) / r + n_ar(r) * AR(P(i, j), r, bw_k),    AR(P, r, bw) = 2 (r-1)/r * P / bw
+Bound (time per minibatch of m microbatches, ms). A stage [i, j) on r units of level k, linked at
+bandwidth bw_k, with t = forward + backward (+ the loss on the last layer) per microbatch, b its backward,
+P its parameter bytes, costs
 
-where U = m * sum(forward + backward) at level 0 and, at level k > 0, U = the best time of [i, j) on one
-whole group of level k-1 (PipeDream's hierarchical optimizer: the group is a black box, replicated r
-times). n_ar = m / r all-reduces per minibatch for `async` (a step per microbatch), 1 otherwise.
-A boundary after layer k-1 between stages of level k, the upstream one on r units, costs
-m * 2 * output_bytes[k-1] / (bw_k * r) (activation forward, gradient backward). A plan's time is the
-maximum over stages and boundaries (the pipeline's steady-state bottleneck). Every worker is used.
+    stage(i, j, r) = max(U(i, j) / r + steps * (max(0, AR(P, r, bw_k) - b) + opt * P),      compute
+                         m / r * (in_bytes + out_bytes) / bw_k)                               one port
+    AR(P, r, bw) = 2 (r-1)/r * P / bw                                       (ring all-reduce)
+
+where U = m * t at level 0 and, at level k > 0, the best bound of [i, j) on one whole group of level
+k-1 (PipeDream's hierarchical optimizer: the group is a black box, replicated r times). The all-reduce
+is bucketed into the last backward (pipeflow/reduce.py), so only its excess over b shows; `steps` is 1
+per minibatch, m / r for `async` (a step per microbatch) and the optimizer step `opt * P` follows each
+(opt from the profile, 0 when absent; level 0 only, inner levels carry it in U). Ports are full duplex:
+a replica's send port carries its activations downstream and its input gradients upstream, m / r of
+each, and its receive port the same amounts the other way; in_bytes is the output of layer i-1 (none
+for the first stage), out_bytes that of layer j-1 when a stage follows at this level. A plan's bound is
+the maximum over its stages. Every worker is used. Schedule rules: `async` needs r | m, `2bw` r <= m.
 
 Memory is checked on level-0 stages: parameters * (2 + optimizer states + weight versions) plus the
 activations of the microbatches in flight, ceil(D / r) for 1F1B-like schedules (D = workers from this
@@ -41,20 +51,23 @@ class LayerCosts:
     """Per-layer columns of a profile (ms per microbatch, bytes)."""
 
     forward_ms: np.ndarray
-    backward_ms: np.ndarray
+    backward_ms: np.ndarray  # with gradient accumulation where the profile measured it
     output_bytes: np.ndarray
     activation_bytes: np.ndarray
     parameter_bytes: np.ndarray
+    loss_ms: float = 0.0  # forward + backward of the loss per microbatch, on the last layer's stage
+    optimizer_ms_per_byte: float = 0.0  # one optimizer step, per parameter byte
 
     @classmethod
     def of(cls, forward_ms: Sequence[float], backward_ms: Sequence[float], output_bytes: Sequence[float],
-           activation_bytes: Sequence[float], parameter_bytes: Sequence[float]) -> LayerCosts:
+           activation_bytes: Sequence[float], parameter_bytes: Sequence[float], *, loss_ms: float = 0.0,
+           optimizer_ms_per_byte: float = 0.0) -> LayerCosts:
         cols = [np.asarray(c, dtype=np.float64) for c in
                 (forward_ms, backward_ms, output_bytes, activation_bytes, parameter_bytes)]
         if len({len(c) for c in cols}) != 1 or len(cols[0]) == 0:
             raise PlanningError(f"layer cost columns must be non-empty and of equal length, found "
                                 f"{[len(c) for c in cols]}")
-        return cls(*cols)
+        return cls(cols[0], cols[1], cols[2], cols[3], cols[4], float(loss_ms), float(optimizer_ms_per_byte))
 
     def __len__(self) -> int:
         return len(self.forward_ms)
@@ -71,7 +84,8 @@ class CostModel:
     optimizer: str = "adam"
     memory_per_worker: float | None = None
     straight: bool = False
-    C: np.ndarray = field(init=False, repr=False)  # prefix sums: compute, parameters, activations
+    C: np.ndarray = field(init=False, repr=False)  # prefix sums: compute, backward, parameters, activations
+    Bw: np.ndarray = field(init=False, repr=False)
     P: np.ndarray = field(init=False, repr=False)
     A: np.ndarray = field(init=False, repr=False)
 
@@ -85,7 +99,10 @@ class CostModel:
             raise PlanningError(f"--microbatches must be >= 1, found {self.microbatches}")
         zero = np.zeros(1)
         lay = self.layers
-        self.C = np.concatenate([zero, np.cumsum(lay.forward_ms + lay.backward_ms)])
+        t = lay.forward_ms + lay.backward_ms
+        t[-1] += lay.loss_ms
+        self.C = np.concatenate([zero, np.cumsum(t)])
+        self.Bw = np.concatenate([zero, np.cumsum(lay.backward_ms)])
         self.P = np.concatenate([zero, np.cumsum(lay.parameter_bytes)])
         self.A = np.concatenate([zero, np.cumsum(lay.activation_bytes)])
 
@@ -101,16 +118,33 @@ class CostModel:
         """Ring all-reduce of p bytes over r units (Patarasuk & Yuan): 2 (r-1)/r * p / bw."""
         return 2.0 * (np.asarray(r) - 1) / r * p / self.bw(level)
 
-    def stage_ms(self, unit_ms: np.ndarray | float, p: np.ndarray | float, r: np.ndarray | float,
-                 level: int) -> np.ndarray:
-        """U / r + n_ar * AR: r replicas share the m microbatches (PipeDream 1F1B-RR)."""
-        m = self.microbatches
-        n_ar = m / np.asarray(r, dtype=np.float64) if self.schedule == "async" else 1.0
-        return np.asarray(unit_ms) / r + n_ar * self.allreduce_ms(p, r, level)
+    def steps(self, r: np.ndarray | float) -> np.ndarray | float:
+        """Optimizer steps per minibatch of one replica: one, or one per own microbatch for async."""
+        return self.microbatches / np.asarray(r, dtype=np.float64) if self.schedule == "async" else 1.0
 
-    def boundary_ms(self, k: np.ndarray | int, r: np.ndarray | float, level: int) -> np.ndarray:
-        """Output of layer k-1 forward and its gradient back, over the upstream stage's r links."""
-        return self.microbatches * 2.0 * self.layers.output_bytes[np.asarray(k) - 1] / (self.bw(level) * r)
+    def stage_ms(self, unit_ms: np.ndarray | float, i: np.ndarray | int, k: np.ndarray | int,
+                 r: np.ndarray | float, level: int) -> np.ndarray:
+        """Compute bound of stage [i, k) on r units: U / r (PipeDream 1F1B-RR: r replicas share the m
+        microbatches) plus, per step, the all-reduce beyond the last backward and the optimizer step."""
+        p = self.P[k] - self.P[i]
+        exposed = np.maximum(0.0, self.allreduce_ms(p, r, level) - (self.Bw[k] - self.Bw[i]))
+        if level == 0:
+            exposed = exposed + self.layers.optimizer_ms_per_byte * p
+        out = np.asarray(unit_ms) / r + self.steps(r) * exposed
+        if self.schedule == "async":  # the replicas all-reduce at every step: each runs as many
+            out = np.where(self.microbatches % np.asarray(r) == 0, out, INF)
+        elif self.schedule == "2bw":  # every replica owns a share of each minibatch
+            out = np.where(np.asarray(r) <= self.microbatches, out, INF)
+        return out
+
+    def port_ms(self, i: np.ndarray | int, k: np.ndarray | int | None, r: np.ndarray | float,
+                level: int) -> np.ndarray:
+        """Busy time of one replica's send (or receive) port: m / r messages in, m / r out (full duplex)."""
+        out = self.layers.output_bytes
+        nbytes = out[np.asarray(i) - 1] * (np.asarray(i) > 0)
+        if k is not None:
+            nbytes = nbytes + out[np.asarray(k) - 1]
+        return self.microbatches * nbytes / (self.bw(level) * np.asarray(r))
 
     def in_flight(self, downstream: np.ndarray | int, r: np.ndarray | int) -> np.ndarray:
         """Microbatches whose activations a replica keeps (schedule.warmup_forwards + 1, or all for gpipe)."""
@@ -143,7 +177,9 @@ class CostModel:
         """Cost of stages [i, k) for k in ks on r = 1..n units, inf where --straight forbids replicas;
         shape (n, len(ks)). Memory is applied per range size by `fit`."""
         rs = np.arange(1, n + 1, dtype=np.float64)[:, None]
-        out = self.stage_ms(self.unit_ms(level, i, ks, inner)[None, :], (self.P[ks] - self.P[i])[None, :], rs, level)
+        out = self.stage_ms(self.unit_ms(level, i, ks, inner)[None, :], i, ks[None, :], rs, level)
+        if i > 0:
+            out = np.maximum(out, self.port_ms(i, None, rs, level))
         if self.straight:
             out[1:] = INF
         return out
@@ -164,7 +200,7 @@ class CostModel:
     def split_row(self, level: int, i: int, ks: np.ndarray, w: int, inner: np.ndarray | None) -> np.ndarray:
         """As stage_row for a stage that is followed by another at this level: adds its output boundary."""
         rs = np.arange(1, w + 1, dtype=np.float64)[:, None]
-        return np.maximum(self.stage_row(level, i, ks, w, inner), self.boundary_ms(ks[None, :], rs, level))
+        return np.maximum(self.stage_row(level, i, ks, w, inner), self.port_ms(i, ks[None, :], rs, level))
 
 
 @dataclass
@@ -205,14 +241,13 @@ def evaluate(model: CostModel, node: Node) -> float:
             unit = model.microbatches * (model.C[b] - model.C[a])
         else:
             unit = evaluate(model, child)
-        cost = float(model.stage_ms(unit, model.P[b] - model.P[a], u, node.level))
+        cost = float(model.stage_ms(unit, a, b, u, node.level))
+        cost = max(cost, float(model.port_ms(a, b if t < len(node.stages) - 1 else None, u, node.level)))
         if model.straight and u > 1:
             cost = INF
         if node.level == 0 and model.memory_per_worker is not None:
             if float(model.memory_bytes(a, b, u, left + outside)) > model.memory_per_worker:
                 cost = INF
-        if t < len(node.stages) - 1:
-            cost = max(cost, float(model.boundary_ms(b, u, node.level)))
         worst = max(worst, cost)
         left -= u
     return worst
@@ -230,7 +265,7 @@ class _Level:
         for i in range(L - 1, -1, -1):
             ks = np.arange(i + 1, L + 1)
             rows = model.stage_rows(level, i, ks, n, inner)
-            bounds = model.boundary_ms(ks[None, :-1], rs, level)
+            bounds = model.port_ms(i, ks[None, :-1], rs, level)
             for w in range(1, n + 1):
                 stage = model.fit(level, i, ks, w, rows)
                 best[w, i, i + 1:] = stage[w - 1]  # one stage on all w units
@@ -279,7 +314,26 @@ def _minmax(left: np.ndarray, base: np.ndarray, rest: np.ndarray, out: np.ndarra
         np.minimum(out[c0:c1], block.min(axis=(0, 1)), out=out[c0:c1])
 
 
-def solve(model: CostModel) -> Solution:
+@dataclass
+class Tables:
+    """What the DP leaves for the search: the inner levels' tables and the top level's suffix table."""
+
+    model: CostModel
+    levels: list[_Level]
+    inner: np.ndarray | None  # the level below the top: best bound of [i, j) on one of its groups
+    best: np.ndarray  # best[w, i]: the least bound of layers [i, L) on w top-level units
+
+    @property
+    def top(self) -> int:
+        return len(self.model.topology.levels) - 1
+
+    def solution(self, stages: list[tuple[int, int, int]]) -> Solution:
+        """The plan of these top-level stages (start, end, units), each running its inner optimum."""
+        tree = _build(self.levels, self.top, stages)
+        return Solution(evaluate(self.model, tree), tree, flatten(tree, self.model.topology))
+
+
+def tabulate(model: CostModel) -> Tables:
     """Level by level (PipeDream's hierarchical optimizer): inner levels tabulate every layer range on one
     group; the outermost level runs a suffix DP over (first layer, units left)."""
     topo, L = model.topology, model.num_layers
@@ -295,7 +349,7 @@ def solve(model: CostModel) -> Solution:
     for i in range(L - 1, -1, -1):
         ks = np.arange(i + 1, L + 1)
         rows = model.stage_rows(top, i, ks, n, inner)
-        bounds = model.boundary_ms(ks[None, :-1], rs, top)
+        bounds = model.port_ms(i, ks[None, :-1], rs, top)
         for w in range(1, n + 1):
             stage = model.fit(top, i, ks, w, rows)
             single = stage[w - 1, -1]
@@ -303,6 +357,14 @@ def solve(model: CostModel) -> Solution:
                 left = np.maximum(stage[: w - 1, :-1], bounds[: w - 1])
                 single = min(single, float(np.maximum(left, best[w - 1:0:-1, i + 1:L]).min()))
             best[w, i] = single
+    return Tables(model, levels, inner, best)
+
+
+def solve(model: CostModel) -> Solution:
+    """The plan of the least bound (PipeDream's optimum under this cost model)."""
+    tables = tabulate(model)
+    best, inner, top, L = tables.best, tables.inner, tables.top, model.num_layers
+    n = model.topology.levels[top].workers
     objective = float(best[n, 0])
     if not np.isfinite(objective):
         raise PlanningError("no plan")  # the caller explains (plan_from_profile)
@@ -317,8 +379,8 @@ def solve(model: CostModel) -> Solution:
                      if max(left[w1 - 1, t], best[w - w1, ks[t]]) == best[w, i])
         stages.append((i, int(ks[t]), w1))
         i, w = int(ks[t]), w - w1
-    tree = _build(levels, top, stages)
-    return Solution(objective, tree, flatten(tree, topo))
+    sol = tables.solution(stages)
+    return Solution(objective, sol.tree, sol.stages)
 
 
 def _build(levels: list[_Level], level: int, stages: list[tuple[int, int, int]]) -> Node:
