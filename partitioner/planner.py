@@ -37,6 +37,7 @@ import numpy as np
 from partitioner.topology import Topology
 
 SCHEDULES = ("gpipe", "1f1b", "async", "2bw")
+FLUSH = ("gpipe", "1f1b")
 OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2}  # momentum; exp_avg + exp_avg_sq
 INF = float("inf")
 _CHUNK = 1 << 16  # elements per temporary array in the vectorized DP
@@ -86,6 +87,7 @@ class CostModel:
     straight: bool = False
     C: np.ndarray = field(init=False, repr=False)  # prefix sums: compute, backward, parameters, activations
     Bw: np.ndarray = field(init=False, repr=False)
+    Fw: np.ndarray = field(init=False, repr=False)
     P: np.ndarray = field(init=False, repr=False)
     A: np.ndarray = field(init=False, repr=False)
 
@@ -103,6 +105,7 @@ class CostModel:
         t[-1] += lay.loss_ms
         self.C = np.concatenate([zero, np.cumsum(t)])
         self.Bw = np.concatenate([zero, np.cumsum(lay.backward_ms)])
+        self.Fw = np.concatenate([zero, np.cumsum(lay.forward_ms)])
         self.P = np.concatenate([zero, np.cumsum(lay.parameter_bytes)])
         self.A = np.concatenate([zero, np.cumsum(lay.activation_bytes)])
 
@@ -127,15 +130,30 @@ class CostModel:
         """Compute bound of stage [i, k) on r units: U / r (PipeDream 1F1B-RR: r replicas share the m
         microbatches) plus, per step, the all-reduce beyond the last backward and the optimizer step."""
         p = self.P[k] - self.P[i]
-        exposed = np.maximum(0.0, self.allreduce_ms(p, r, level) - (self.Bw[k] - self.Bw[i]))
+        b = self.Bw[k] - self.Bw[i]
+        exposed = np.maximum(0.0, self.allreduce_ms(p, r, level) - b)
         if level == 0:
             exposed = exposed + self.layers.optimizer_ms_per_byte * p
-        out = np.asarray(unit_ms) / r + self.steps(r) * exposed
+        if self.schedule in FLUSH and level == len(self.topology.levels) - 1:
+            out = self._flushed(np.asarray(unit_ms) / r, i, k, r, b, exposed)
+        else:
+            out = np.asarray(unit_ms) / r + self.steps(r) * exposed
         if self.schedule == "async":  # the replicas all-reduce at every step: each runs as many
             out = np.where(self.microbatches % np.asarray(r) == 0, out, INF)
         elif self.schedule == "2bw":  # every replica owns a share of each minibatch
             out = np.where(np.asarray(r) <= self.microbatches, out, INF)
         return out
+
+    def _flushed(self, busy: np.ndarray, i: np.ndarray | int, k: np.ndarray | int, r: np.ndarray | float,
+                 b: np.ndarray, exposed: np.ndarray) -> np.ndarray:
+        """The flush makes latency count (gpipe, 1f1b; top level): a replica's first forward waits for
+        microbatch 0 to cross the stages before it (forward of layers [0, i)), its first backward for the
+        round trip through the stages after it (layers [k, L)), and after its last backward the gradient
+        still crosses the stages before it (backward of [0, i)) while it all-reduces and steps."""
+        m, L = self.microbatches, self.num_layers
+        fwd = (self.C[k] - self.C[i]) - b  # forward of [i, k), the loss included on the last layer
+        trip = fwd + (self.C[L] - self.C[k]) + m / np.asarray(r, dtype=np.float64) * b
+        return self.Fw[i] + np.maximum(busy, trip) + np.maximum(self.Bw[i], exposed)
 
     def port_ms(self, i: np.ndarray | int, k: np.ndarray | int | None, r: np.ndarray | float,
                 level: int) -> np.ndarray:
