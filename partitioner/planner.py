@@ -121,23 +121,29 @@ class CostModel:
         """Ring all-reduce of p bytes over r units (Patarasuk & Yuan): 2 (r-1)/r * p / bw."""
         return 2.0 * (np.asarray(r) - 1) / r * p / self.bw(level)
 
+    def share(self, r: np.ndarray | float) -> np.ndarray:
+        """Microbatches of the busiest of r replicas (round-robin: ceil(m / r))."""
+        return np.ceil(self.microbatches / np.asarray(r, dtype=np.float64))
+
     def steps(self, r: np.ndarray | float) -> np.ndarray | float:
         """Optimizer steps per minibatch of one replica: one, or one per own microbatch for async."""
-        return self.microbatches / np.asarray(r, dtype=np.float64) if self.schedule == "async" else 1.0
+        return self.share(r) if self.schedule == "async" else 1.0
 
     def stage_ms(self, unit_ms: np.ndarray | float, i: np.ndarray | int, k: np.ndarray | int,
                  r: np.ndarray | float, level: int) -> np.ndarray:
-        """Compute bound of stage [i, k) on r units: U / r (PipeDream 1F1B-RR: r replicas share the m
-        microbatches) plus, per step, the all-reduce beyond the last backward and the optimizer step."""
+        """Compute bound of stage [i, k) on r units: U ceil(m / r) / m (PipeDream 1F1B-RR: r replicas share
+        the m microbatches round-robin) plus, per step, the all-reduce beyond the last backward and the
+        optimizer step."""
         p = self.P[k] - self.P[i]
         b = self.Bw[k] - self.Bw[i]
         exposed = np.maximum(0.0, self.allreduce_ms(p, r, level) - b)
         if level == 0:
             exposed = exposed + self.layers.optimizer_ms_per_byte * p
+        busy = np.asarray(unit_ms) * (self.share(r) / self.microbatches)
         if self.schedule in FLUSH and level == len(self.topology.levels) - 1:
-            out = self._flushed(np.asarray(unit_ms) / r, i, k, r, b, exposed)
+            out = self._flushed(busy, i, k, r, b, exposed)
         else:
-            out = np.asarray(unit_ms) / r + self.steps(r) * exposed
+            out = busy + self.steps(r) * exposed
         if self.schedule == "async":  # the replicas all-reduce at every step: each runs as many
             out = np.where(self.microbatches % np.asarray(r) == 0, out, INF)
         elif self.schedule == "2bw":  # every replica owns a share of each minibatch
@@ -150,19 +156,21 @@ class CostModel:
         microbatch 0 to cross the stages before it (forward of layers [0, i)), its first backward for the
         round trip through the stages after it (layers [k, L)), and after its last backward the gradient
         still crosses the stages before it (backward of [0, i)) while it all-reduces and steps."""
-        m, L = self.microbatches, self.num_layers
+        L = self.num_layers
         fwd = (self.C[k] - self.C[i]) - b  # forward of [i, k), the loss included on the last layer
-        trip = fwd + (self.C[L] - self.C[k]) + m / np.asarray(r, dtype=np.float64) * b
+        # Level 0: the replica runs ceil(m / r) backwards; above, a unit's replicas are not known here.
+        backwards = self.share(r) if len(self.topology.levels) == 1 else 1.0
+        trip = fwd + (self.C[L] - self.C[k]) + backwards * b
         return self.Fw[i] + np.maximum(busy, trip) + np.maximum(self.Bw[i], exposed)
 
     def port_ms(self, i: np.ndarray | int, k: np.ndarray | int | None, r: np.ndarray | float,
                 level: int) -> np.ndarray:
-        """Busy time of one replica's send (or receive) port: m / r messages in, m / r out (full duplex)."""
+        """Busy time of the busiest replica's send (or receive) port: ceil(m / r) messages in, as many out."""
         out = self.layers.output_bytes
         nbytes = out[np.asarray(i) - 1] * (np.asarray(i) > 0)
         if k is not None:
             nbytes = nbytes + out[np.asarray(k) - 1]
-        return self.microbatches * nbytes / (self.bw(level) * np.asarray(r))
+        return self.share(r) * nbytes / self.bw(level)
 
     def in_flight(self, downstream: np.ndarray | int, r: np.ndarray | int) -> np.ndarray:
         """Microbatches whose activations a replica keeps (schedule.warmup_forwards + 1, or all for gpipe)."""

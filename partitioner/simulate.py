@@ -13,6 +13,7 @@ Actions are processed in time order (an event loop over workers), so port bookin
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Sequence
@@ -59,12 +60,27 @@ class SimResult:
     timeline: list[Interval] = field(default_factory=list)
 
 
+class _Schedule(Schedule):
+    """A Schedule whose worker tables are computed once (Schedule rebuilds them on every call)."""
+
+    @functools.cached_property
+    def workers(self) -> list[tuple[int, int]]:
+        return super().workers
+
+    @functools.cached_property
+    def _stage_of(self) -> list[int]:
+        return [s for s, _ in self.workers]
+
+    def stage_of(self, worker: int) -> int:
+        return self._stage_of[worker]
+
+
 def build(name: str, stages: int, microbatches: int, replicas: Sequence[int], *,
           minibatch: int | None = None) -> Schedule:
     """The generated schedule, as pipeflow.schedule.generate builds it, without its validation and dry run
     (the generators are tested; the replay below detects a deadlock itself)."""
     reps = tuple(replicas)
-    sched = Schedule(name, stages, microbatches, reps)
+    sched = _Schedule(name, stages, microbatches, reps)
     orders = [compute_order(name, stages, microbatches, reps, list(range(r, microbatches, reps[s])), s,
                             minibatch=minibatch)
               for s in range(stages) for r in range(reps[s])]
@@ -81,7 +97,7 @@ def replay(sched: Schedule, stages: Sequence[StageCost], *, ranks: Sequence[Sequ
     stage_of = [s for s in range(S) for _ in range(reps[s])]
     base = [sum(reps[:s]) for s in range(S + 1)]
     n = len(stage_of)
-    msg = _message_times(stages, reps, base, ranks, topology)
+    msg = _Messages(stages, stage_of, base, ranks, topology)
     acts = sched.actions
     pos, clock = [0] * n, [0.0] * n
     send_free, recv_free = [0.0] * n, [0.0] * n
@@ -135,7 +151,7 @@ def replay(sched: Schedule, stages: Sequence[StageCost], *, ranks: Sequence[Sequ
                 assert i is not None
                 t = s + 1 if kind == "SEND_F" else s - 1
                 peer = base[t] + i % reps[t]
-                d = msg[(w, peer)]
+                d = msg(w, peer)
                 t0 = max(clock[w], send_free[w], recv_free[peer])
                 send_free[w] = recv_free[peer] = t0 + d
                 key = (peer, kind[-1], i)
@@ -176,22 +192,28 @@ def replay(sched: Schedule, stages: Sequence[StageCost], *, ranks: Sequence[Sequ
     return max(clock, default=0.0), busy, intervals, peak
 
 
-def _message_times(stages: Sequence[StageCost], reps: Sequence[int], base: Sequence[int],
-                   ranks: Sequence[Sequence[int]] | None, topology: Topology | None) -> dict[tuple[int, int], float]:
-    """ms of one message from worker a to worker b (both directions of each boundary; a gradient is as
-    large as the activation it belongs to)."""
-    out: dict[tuple[int, int], float] = {}
-    for s in range(len(reps) - 1):
-        for r in range(reps[s]):
-            for q in range(reps[s + 1]):
-                a, b = base[s] + r, base[s + 1] + q
-                if ranks is not None and topology is not None:
-                    level = topology.level_of(ranks[s][r], ranks[s + 1][q])
-                    ms = stages[s].output_bytes / (topology.levels[level].bandwidth / 1e3)
-                else:
-                    ms = stages[s].send_ms
-                out[(a, b)] = out[(b, a)] = ms
-    return out
+class _Messages:
+    """ms of one message between two workers of neighbouring stages, computed on first use (a gradient is
+    as large as the activation it belongs to): only pairs that exchange microbatches are ever asked."""
+
+    def __init__(self, stages: Sequence[StageCost], stage_of: Sequence[int], base: Sequence[int],
+                 ranks: Sequence[Sequence[int]] | None, topology: Topology | None) -> None:
+        self.stages, self.stage_of, self.base, self.ranks, self.topology = stages, stage_of, base, ranks, topology
+        self.cache: dict[tuple[int, int], float] = {}
+
+    def __call__(self, a: int, b: int) -> float:
+        got = self.cache.get((a, b))
+        if got is None:
+            sa, sb = self.stage_of[a], self.stage_of[b]
+            s = min(sa, sb)
+            if self.ranks is not None and self.topology is not None:
+                ra, rb = self.ranks[sa][a - self.base[sa]], self.ranks[sb][b - self.base[sb]]
+                level = self.topology.level_of(ra, rb)
+                got = self.stages[s].output_bytes / (self.topology.levels[level].bandwidth / 1e3)
+            else:
+                got = self.stages[s].send_ms
+            self.cache[(a, b)] = got
+        return got
 
 
 def _stage_peaks(sched: Schedule, stages: Sequence[StageCost], peak: list[int], schedule: str,
