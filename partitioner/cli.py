@@ -10,6 +10,7 @@ of bound until no unvisited plan can be faster, so the plan written is the faste
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from partitioner.profile import Profile, ProfileError
 from partitioner.search import search
 from partitioner.simulate import SimResult, StageCost
 from partitioner.topology import Topology, TopologyError, format_bytes, parse_bytes
+from pipeflow.schedule import FLUSH_SCHEDULES
 
 # --microbatches auto: the smallest power of two up to AUTO_MAX_MICROBATCHES whose simulated bubble (share
 # of worker time not computing, all-reduce waits included) is at most AUTO_BUBBLE; failing that, the
@@ -172,20 +174,28 @@ def plan_detailed(profile: Profile, workers: int, *, schedule: str = "1f1b", mic
     if microbatches != "auto":
         assert isinstance(microbatches, int)
         return _plan_once(profile, model_for(microbatches), workers, keep_timeline)
-    return _auto_microbatches(lambda m: _plan_once(profile, model_for(m), workers, keep_timeline))
+    # A flushed minibatch lasts at least one microbatch's round trip through every layer, sum(t), while the
+    # work is m sum(t) over `workers` workers: the bubble 1 - m sum(t) / (workers T) can reach AUTO_BUBBLE
+    # only when m >= (1 - AUTO_BUBBLE) workers. Smaller m need not be planned.
+    least = math.ceil((1 - AUTO_BUBBLE) * workers) if schedule in FLUSH_SCHEDULES else 1
+    return _auto_microbatches(lambda m: _plan_once(profile, model_for(m), workers, keep_timeline), least)
 
 
-def _auto_microbatches(plan_at: Callable[[int], Planned]) -> Planned:
-    """--microbatches auto: binary search over the powers of two up to AUTO_MAX_MICROBATCHES for the smallest
-    whose plan's simulated bubble is at most AUTO_BUBBLE (the bubble shrinks as m grows; memory failures
-    come above some m, schedule-rule failures below some m); failing that, the plan of highest simulated
-    throughput among those tried. About log2(9) = 3-4 DP solves instead of up to 9."""
-    lo, hi = 0, AUTO_MAX_MICROBATCHES.bit_length() - 1
+def _auto_microbatches(plan_at: Callable[[int], Planned], least: int = 1) -> Planned:
+    """--microbatches auto: the smallest power of two up to AUTO_MAX_MICROBATCHES whose plan's simulated
+    bubble is at most AUTO_BUBBLE, by binary search from the first power of two >= `least` (tried first:
+    usually it is the answer): the bubble shrinks as m grows, memory failures come above some m and
+    schedule-rule failures below some m. Failing that, the plan of highest simulated throughput among those
+    tried. One to four DP solves instead of up to nine."""
+    hi = AUTO_MAX_MICROBATCHES.bit_length() - 1
+    lo = min(hi, max(0, (least - 1).bit_length()))
     found: Planned | None = None
     fallback: Planned | None = None
     error: PlanningError | None = None
+    first = True
     while lo <= hi:
-        mid = (lo + hi) // 2
+        mid = lo if first else (lo + hi) // 2
+        first = False
         try:
             got = plan_at(1 << mid)
         except PlanningError as e:

@@ -6,8 +6,9 @@ lists in order of bound (A*: bound of the stages so far, maximised with the suff
 complete plan the schedule allows, and stops when the next bound is no better than the best simulated
 time: then no unvisited plan can be faster. On a one-level topology the bound holds for every plan, so the
 plan chosen is the fastest the simulator knows; on more levels only top-level stage lists are searched
-(each stage runs its group's DP optimum). `limit` caps the simulations: past it the search stops at the
-best so far and says so (SearchResult.exact).
+(each stage runs its group's DP optimum). `limit` caps the simulations and `expansions` the partial plans
+expanded (each costs a row of the DP, ~1 ms at 512 layers): past either the search stops at the best so
+far and says so (SearchResult.exact).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ class SearchResult:
 
 
 def search(tables: Tables, price: Callable[[Solution], float | None], *, limit: int = 64,
-           expansions: int = 20_000) -> SearchResult:
+           expansions: int = 256) -> SearchResult:
     """The plan of least `price` (simulated ms; None: the schedule does not allow the plan)."""
     model, top, best, inner = tables.model, tables.top, tables.best, tables.inner
     L, n = model.num_layers, model.topology.levels[top].workers
