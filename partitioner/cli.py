@@ -22,6 +22,7 @@ from partitioner.planner import (
     CostModel,
     LayerCosts,
     PlanningError,
+    Progress,
     Solution,
     tabulate,
 )
@@ -113,7 +114,7 @@ def _search(model: CostModel, keep_timeline: bool = False
             return None
         return run(sol)[1].step_ms
 
-    found = search(tabulate(model), cost, limit=SEARCH_LIMIT)
+    found = search(tabulate(model, Progress(_progress)), cost, limit=SEARCH_LIMIT)
     costs, sim = run(found.solution, keep_timeline)
     # The bound is proven below the simulated time for flushed schedules on one level (tests/
     # test_planner_bruteforce.py); elsewhere the search is the simulator's choice among the DP's best bounds.
@@ -121,6 +122,11 @@ def _search(model: CostModel, keep_timeline: bool = False
     info: dict[str, object] = {"bound_ms": round(found.solution.objective_ms, 6), "plans_simulated": found.simulated,
                                "exact": exact}
     return found.solution, costs, sim, info
+
+
+def _progress(line: str) -> None:
+    sys.stderr.write(f"pipeflow-plan: {line}\n")  # one write per line: no interleaving
+    sys.stderr.flush()
 
 
 def _plan_once(profile: Profile, model: CostModel, workers: int, keep_timeline: bool) -> Planned:

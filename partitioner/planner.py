@@ -29,7 +29,8 @@ topology D is bounded by (workers left in the group) + (all workers outside it):
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -279,10 +280,26 @@ def evaluate(model: CostModel, node: Node) -> float:
     return worst
 
 
+class Progress:
+    """Reports how far the DP is, at most every `every_s` seconds and only once it has run that long
+    (a legitimate large plan may take minutes: say so rather than look hung)."""
+
+    def __init__(self, report: Callable[[str], None] | None = None, every_s: float = 5.0) -> None:
+        self.report, self.every_s = report, every_s
+        self.start = self.last = time.monotonic()
+
+    def tick(self, level: int, done: int, total: int) -> None:
+        now = time.monotonic()
+        if self.report is not None and now - self.last >= self.every_s:
+            self.last = now
+            self.report(f"planning level {level}: {done}/{total} first layers done, {now - self.start:.0f} s")
+
+
 class _Level:
     """All-pairs table of one inner level: best[w, i, j] for layers [i, j) on exactly w of its units."""
 
-    def __init__(self, model: CostModel, level: int, inner: np.ndarray | None) -> None:
+    def __init__(self, model: CostModel, level: int, inner: np.ndarray | None,
+                 progress: Progress | None = None) -> None:
         self.model, self.level, self.inner = model, level, inner
         n, L = model.topology.levels[level].workers, model.num_layers
         self.n = n
@@ -303,6 +320,8 @@ class _Level:
                     # A lower bound of the first stage's cost that never decreases with k (suffix min).
                     bound = np.minimum.accumulate(stage[: w - 1, :-1].min(axis=0)[::-1])[::-1]
                     _minmax(left, bound, rest, row)
+            if progress is not None:
+                progress.tick(level, L - i, L)
         self.best = best
 
     def table(self) -> np.ndarray:
@@ -359,14 +378,14 @@ class Tables:
         return Solution(evaluate(self.model, tree), tree, flatten(tree, self.model.topology))
 
 
-def tabulate(model: CostModel) -> Tables:
+def tabulate(model: CostModel, progress: Progress | None = None) -> Tables:
     """Level by level (PipeDream's hierarchical optimizer): inner levels tabulate every layer range on one
     group; the outermost level runs a suffix DP over (first layer, units left)."""
     topo, L = model.topology, model.num_layers
     levels: list[_Level] = []
     inner: np.ndarray | None = None
     for k in range(len(topo.levels) - 1):
-        levels.append(_Level(model, k, inner))
+        levels.append(_Level(model, k, inner, progress))
         inner = levels[-1].table()
     top = len(topo.levels) - 1
     n = topo.levels[top].workers
@@ -383,6 +402,8 @@ def tabulate(model: CostModel) -> Tables:
                 left = np.maximum(stage[: w - 1, :-1], bounds[: w - 1])
                 single = min(single, float(np.maximum(left, best[w - 1:0:-1, i + 1:L]).min()))
             best[w, i] = single
+        if progress is not None:
+            progress.tick(top, L - i, L)
     return Tables(model, levels, inner, best)
 
 

@@ -9,7 +9,18 @@ import numpy as np
 import pytest
 
 from partitioner.cli import plan_from_profile
-from partitioner.planner import INF, CostModel, LayerCosts, Node, PlanningError, evaluate, flatten, solve
+from partitioner.planner import (
+    INF,
+    CostModel,
+    LayerCosts,
+    Node,
+    PlanningError,
+    Progress,
+    evaluate,
+    flatten,
+    solve,
+    tabulate,
+)
 from partitioner.profile import LayerProfile, Profile
 from partitioner.topology import Level, Topology, TopologyError, parse_bandwidth, parse_bytes
 
@@ -202,3 +213,14 @@ def test_speed_smoke() -> None:
                         rng.uniform(0, 1e7, 64))
     sol = solve(CostModel(lay, Topology.parse("4x100GB/s,4x10GB/s"), "1f1b", 16))
     assert sorted(r for s in sol.stages for r in s.ranks) == list(range(16))
+
+
+def test_progress_reports_every_level_to_the_end() -> None:
+    lines: list[str] = []
+    tabulate(CostModel(uniform(6), Topology.parse("2x10GB/s,2x1GB/s"), "1f1b", 4), Progress(lines.append, every_s=0))
+    assert lines[0].startswith("planning level 0: 1/6 first layers done, ")
+    assert lines[5].startswith("planning level 0: 6/6 ") and lines[-1].startswith("planning level 1: 6/6 ")
+    assert len(lines) == 12
+    quiet: list[str] = []
+    tabulate(CostModel(uniform(6), Topology.default(2), "1f1b", 4), Progress(quiet.append))
+    assert quiet == []  # nothing under 5 s
