@@ -137,7 +137,8 @@ def _plan_once(profile: Profile, model: CostModel, workers: int, keep_timeline: 
     m = model.microbatches
     stages = [StagePlan((s.start, s.end), len(s.ranks), sorted(s.ranks)) for s in sol.stages]
     extra = {"planner": {"topology": str(model.topology), "optimizer": model.optimizer,
-                         "microbatch_size": profile.microbatch_size, "search": info}}
+                         "objective_ms": info["bound_ms"], "microbatch_size": profile.microbatch_size,
+                         "search": info}}
     plan = Plan(model.schedule, m, workers, stages, predicted(sim, m, profile.microbatch_size), extra)
     return Planned(plan, costs, sim, sol)
 

@@ -6,21 +6,28 @@ order of this bound and lets the simulator decide, so the plan chosen is the bes
 
 Bound (time per minibatch of m microbatches, ms). A stage [i, j) on r units of level k, linked at
 bandwidth bw_k, with t = forward + backward (+ the loss on the last layer) per microbatch, b its backward,
-P its parameter bytes, costs
+P its parameter bytes, q = ceil(m / r) the microbatches of its busiest replica (round-robin), costs
 
-    stage(i, j, r) = max(U(i, j) / r + steps * (max(0, AR(P, r, bw_k) - b) + opt * P),      compute
-                         m / r * (in_bytes + out_bytes) / bw_k)                               one port
-    AR(P, r, bw) = 2 (r-1)/r * P / bw                                       (ring all-reduce)
+    busy  = U(i, j) * q / m + steps * (max(0, AR(P, r, bw_k) - b) + opt * P)
+    port  = q * (in_bytes + out_bytes) / bw_k
+    stage = max(busy, port)                          (async, 2bw, inner levels)
+    stage = max(F(0, i) + max(busy', f + T(j, L) + q' b) + max(B(0, i), exposed), port)   (gpipe, 1f1b, top)
+    AR(P, r, bw) = 2 (r-1)/r * P / bw                                                     (ring all-reduce)
 
-where U = m * t at level 0 and, at level k > 0, the best bound of [i, j) on one whole group of level
-k-1 (PipeDream's hierarchical optimizer: the group is a black box, replicated r times). The all-reduce
-is bucketed into the last backward (pipeflow/reduce.py), so only its excess over b shows; `steps` is 1
-per minibatch, m / r for `async` (a step per microbatch) and the optimizer step `opt * P` follows each
-(opt from the profile, 0 when absent; level 0 only, inner levels carry it in U). Ports are full duplex:
-a replica's send port carries its activations downstream and its input gradients upstream, m / r of
-each, and its receive port the same amounts the other way; in_bytes is the output of layer i-1 (none
-for the first stage), out_bytes that of layer j-1 when a stage follows at this level. A plan's bound is
-the maximum over its stages. Every worker is used. Schedule rules: `async` needs r | m, `2bw` r <= m.
+U = m * t at level 0 and, at level k > 0, the best bound of [i, j) on one whole group of level k-1
+(PipeDream's hierarchical optimizer: the group is a black box, replicated r times). The all-reduce is
+bucketed into the last backward (pipeflow/reduce.py), so only its excess over b shows; `steps` is 1 per
+minibatch, q for `async` (a step per microbatch; above level 0 that of a leaf with as many replicas as
+the unit has workers, a lower bound) and the optimizer step `opt * P` follows each (opt from the
+profile, 0 when absent; at level 0, inner levels carry it in U). Ports are full duplex: a replica's send
+port carries its activations downstream and its input gradients upstream, q of each, and its receive
+port the same the other way; in_bytes is the output of layer i-1 (none for the first stage), out_bytes
+that of layer j-1 when a stage follows at this level. Under a flush (top level) latency counts: the
+replica's first forward waits for the forwards of layers [0, i) (F), its first backward for the round
+trip through layers [j, L) (T, f the stage's forward), and after its last backward the gradient still
+crosses the backwards of [0, i) (B) while the stage all-reduces and steps (busy' and exposed: busy
+without, and with, the step's part; q' = q on one level, 1 above). A plan's bound is the maximum over
+its stages; every worker is used. Schedule rules: `async` needs r | m, `2bw` r <= m.
 
 Memory is checked on level-0 stages: parameters * (2 + optimizer states + weight versions) plus the
 activations of the microbatches in flight, ceil(D / r) for 1F1B-like schedules (D = workers from this
@@ -126,9 +133,12 @@ class CostModel:
         """Microbatches of the busiest of r replicas (round-robin: ceil(m / r))."""
         return np.ceil(self.microbatches / np.asarray(r, dtype=np.float64))
 
-    def steps(self, r: np.ndarray | float) -> np.ndarray | float:
-        """Optimizer steps per minibatch of one replica: one, or one per own microbatch for async."""
-        return self.share(r) if self.schedule == "async" else 1.0
+    def steps(self, r: np.ndarray | float, level: int = 0) -> np.ndarray | float:
+        """Optimizer steps per minibatch of one replica: one, or one per own microbatch for async. Above
+        level 0 a unit may hold up to unit_size replicas of a leaf stage, each stepping on its own share."""
+        if self.schedule != "async":
+            return 1.0
+        return self.share(np.asarray(r, dtype=np.float64) * self.topology.unit_size(level))
 
     def stage_ms(self, unit_ms: np.ndarray | float, i: np.ndarray | int, k: np.ndarray | int,
                  r: np.ndarray | float, level: int) -> np.ndarray:
@@ -144,7 +154,7 @@ class CostModel:
         if self.schedule in FLUSH and level == len(self.topology.levels) - 1:
             out = self._flushed(busy, i, k, r, b, exposed)
         else:
-            out = busy + self.steps(r) * exposed
+            out = busy + self.steps(r, level) * exposed
         if self.schedule == "async":  # the replicas all-reduce at every step: each runs as many
             out = np.where(self.microbatches % np.asarray(r) == 0, out, INF)
         elif self.schedule == "2bw":  # every replica owns a share of each minibatch

@@ -224,3 +224,14 @@ def test_progress_reports_every_level_to_the_end() -> None:
     quiet: list[str] = []
     tabulate(CostModel(uniform(6), Topology.default(2), "1f1b", 4), Progress(quiet.append))
     assert quiet == []  # nothing under 5 s
+
+
+def test_fan_in_is_charged_to_the_receiver() -> None:
+    # Issue 13: three replicas feeding one worker (AlexNet 3-1 at 1 GB/s). The receiver takes all m = 6
+    # activations of 44 MB through its one port: 6 x 44 ms, not 6 / 3 x 44 ms.
+    lay = LayerCosts.of([0.1, 0.1], [0.2, 0.2], [44e6, 0.0], [0.0, 0.0], [0.0, 0.0])
+    model = CostModel(lay, Topology.parse("4x1GB/s"), "async", 6)
+    three_one = Node(0, [(0, 1, 3, None), (1, 2, 1, None)])
+    assert evaluate(model, three_one) == pytest.approx(6 * 44.0)
+    assert float(model.port_ms(1, None, 1, 0)) == pytest.approx(6 * 44.0)  # receiver's port
+    assert float(model.port_ms(0, 1, 3, 0)) == pytest.approx(2 * 44.0)  # each sender's
