@@ -43,8 +43,10 @@ AUTO_MAX_MICROBATCHES = 256
 # one level and the simulator linearly in microbatches x stages.
 MAX_WORKERS = 1024
 MAX_MICROBATCHES = 4096
-# Plans simulated per search (partitioner/search.py) before it settles for the best so far.
+# Plans simulated per search (partitioner/search.py), and microbatch-stages replayed, before it settles for
+# the best so far (about 0.5 s of simulation on the 2-core CI machine).
 SEARCH_LIMIT = 64
+SEARCH_WORK = 50_000
 
 
 @dataclass
@@ -114,7 +116,13 @@ def _search(model: CostModel, keep_timeline: bool = False
             return None
         return run(sol)[1].step_ms
 
-    found = search(tabulate(model, Progress(_progress)), cost, limit=SEARCH_LIMIT)
+    def work(sol: Solution) -> float:
+        """Compute actions the simulation replays (async, 2bw: two runs of several minibatches)."""
+        runs = 1 if model.schedule in FLUSH_SCHEDULES else 2 * max(2, -(-2 * model.topology.workers // m)) + 2
+        return runs * m * len(sol.stages)
+
+    m = model.microbatches
+    found = search(tabulate(model, Progress(_progress)), cost, limit=SEARCH_LIMIT, work=work, budget=SEARCH_WORK)
     costs, sim = run(found.solution, keep_timeline)
     # The bound is proven below the simulated time for flushed schedules on one level (tests/
     # test_planner_bruteforce.py); elsewhere the search is the simulator's choice among the DP's best bounds.

@@ -382,6 +382,25 @@ class Tables:
     def top(self) -> int:
         return len(self.model.topology.levels) - 1
 
+    def trace(self) -> list[tuple[int, int, int]]:
+        """Top-level stages (start, end, units) of the least bound; PlanningError when every bound is inf."""
+        model, best, inner, top, L = self.model, self.best, self.inner, self.top, self.model.num_layers
+        n = model.topology.levels[top].workers
+        if not np.isfinite(best[n, 0]):
+            raise PlanningError("no plan")  # the caller explains (plan_from_profile)
+        stages, i, w = [], 0, n
+        while w:
+            ks = np.arange(i + 1, L + 1)
+            if model.stage_row(top, i, ks[-1:], w, inner)[w - 1, 0] == best[w, i]:
+                stages.append((i, L, w))
+                break
+            left = model.split_row(top, i, ks[:-1], w, inner)
+            w1, t = next((w1, t) for w1 in range(1, w) for t in range(len(ks) - 1)
+                         if max(left[w1 - 1, t], best[w - w1, ks[t]]) == best[w, i])
+            stages.append((i, int(ks[t]), w1))
+            i, w = int(ks[t]), w - w1
+        return stages
+
     def solution(self, stages: list[tuple[int, int, int]]) -> Solution:
         """The plan of these top-level stages (start, end, units), each running its inner optimum."""
         tree = _build(self.levels, self.top, stages)
@@ -420,24 +439,8 @@ def tabulate(model: CostModel, progress: Progress | None = None) -> Tables:
 def solve(model: CostModel) -> Solution:
     """The plan of the least bound (PipeDream's optimum under this cost model)."""
     tables = tabulate(model)
-    best, inner, top, L = tables.best, tables.inner, tables.top, model.num_layers
-    n = model.topology.levels[top].workers
-    objective = float(best[n, 0])
-    if not np.isfinite(objective):
-        raise PlanningError("no plan")  # the caller explains (plan_from_profile)
-    stages, i, w = [], 0, n
-    while w:
-        ks = np.arange(i + 1, L + 1)
-        if model.stage_row(top, i, ks[-1:], w, inner)[w - 1, 0] == best[w, i]:
-            stages.append((i, L, w))
-            break
-        left = model.split_row(top, i, ks[:-1], w, inner)
-        w1, t = next((w1, t) for w1 in range(1, w) for t in range(len(ks) - 1)
-                     if max(left[w1 - 1, t], best[w - w1, ks[t]]) == best[w, i])
-        stages.append((i, int(ks[t]), w1))
-        i, w = int(ks[t]), w - w1
-    sol = tables.solution(stages)
-    return Solution(objective, sol.tree, sol.stages)
+    sol = tables.solution(tables.trace())
+    return Solution(float(tables.best[model.topology.levels[tables.top].workers, 0]), sol.tree, sol.stages)
 
 
 def _build(levels: list[_Level], level: int, stages: list[tuple[int, int, int]]) -> Node:

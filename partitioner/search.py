@@ -33,24 +33,37 @@ class SearchResult:
 
 
 def search(tables: Tables, price: Callable[[Solution], float | None], *, limit: int = 64,
-           expansions: int = 256) -> SearchResult:
-    """The plan of least `price` (simulated ms; None: the schedule does not allow the plan)."""
+           expansions: int = 256, work: Callable[[Solution], float] | None = None, budget: float = INF,
+           frontier: int = 200_000) -> SearchResult:
+    """The plan of least `price` (simulated ms; None: the schedule does not allow the plan). The DP's own
+    optimum is priced first, so there is always an answer when it is allowed. `work(plan)` estimates a
+    simulation's cost: the search stops once `budget` of it is spent; `frontier` caps the open list."""
     model, top, best, inner = tables.model, tables.top, tables.best, tables.inner
     L, n = model.num_layers, model.topology.levels[top].workers
     tie = itertools.count()
     heap: list[tuple[float, int, Stages, float, int, int]] = [(float(best[n, 0]), 0, (), 0.0, 0, n)]
-    incumbent, chosen, simulated, expanded, exact = INF, None, 0, 0, True
+    incumbent, chosen, simulated, expanded, exact, spent = INF, None, 0, 0, True, 0.0
+    first = tables.solution(tables.trace())
+    t = price(first)
+    simulated += 1
+    spent += work(first) if work else 0.0
+    seen = tuple((a, b, u) for a, b, u, _ in first.tree.stages)  # priced already
+    if t is not None:
+        incumbent, chosen = t, first
     while heap:
         bound, _, stages, prefix, i, w = heapq.heappop(heap)
         if bound >= incumbent or not np.isfinite(bound):
             break
         if w == 0:  # a complete plan: its bound is exact under the DP, its price the simulator's
+            if stages == seen:
+                continue
             sol = tables.solution(list(stages))
             t = price(sol)
             simulated += 1
+            spent += work(sol) if work else 0.0
             if t is not None and t < incumbent:
                 incumbent, chosen = t, sol
-            if simulated >= limit and heap and heap[0][0] < incumbent:
+            if (simulated >= limit or spent >= budget) and heap and heap[0][0] < incumbent:
                 exact = False
                 break
             continue
@@ -65,10 +78,13 @@ def search(tables: Tables, price: Callable[[Solution], float | None], *, limit: 
         if w > 1 and i + 1 < L:
             left = np.maximum(model.split_row(top, i, ks[:-1], w, inner)[: w - 1], prefix)
             lb = np.maximum(left, best[w - 1:0:-1, i + 1:L])  # [w1 - 1, k - i - 1]
-            for a, t in zip(*np.nonzero(lb < incumbent)):
-                k, w1 = i + 1 + int(t), int(a) + 1
-                heapq.heappush(heap, (float(lb[a, t]), next(tie), (*stages, (i, k, w1)), float(left[a, t]), k,
+            for a, c in zip(*np.nonzero(lb < incumbent)):
+                k, w1 = i + 1 + int(c), int(a) + 1
+                heapq.heappush(heap, (float(lb[a, c]), next(tie), (*stages, (i, k, w1)), float(left[a, c]), k,
                                       w - w1))
+        if len(heap) > frontier:
+            exact = False
+            break
     if chosen is None:
         raise PlanningError("no plan")  # the caller explains
     return SearchResult(chosen, incumbent, simulated, exact)

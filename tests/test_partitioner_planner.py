@@ -16,12 +16,14 @@ from partitioner.planner import (
     Node,
     PlanningError,
     Progress,
+    Solution,
     evaluate,
     flatten,
     solve,
     tabulate,
 )
 from partitioner.profile import LayerProfile, Profile
+from partitioner.search import search
 from partitioner.topology import Level, Topology, TopologyError, parse_bandwidth, parse_bytes
 
 
@@ -235,3 +237,19 @@ def test_fan_in_is_charged_to_the_receiver() -> None:
     assert evaluate(model, three_one) == pytest.approx(6 * 44.0)
     assert float(model.port_ms(1, None, 1, 0)) == pytest.approx(6 * 44.0)  # receiver's port
     assert float(model.port_ms(0, 1, 3, 0)) == pytest.approx(2 * 44.0)  # each sender's
+
+
+def test_search_cut_short_still_answers_with_the_dp_optimum() -> None:
+    # A search stopped by its limits (expansions, simulation budget) returns the best it priced, which
+    # always includes the DP's own optimum: never "no plan" for lack of time.
+    model = CostModel(uniform(12, out=1e6), Topology.parse("6x1GB/s"), "1f1b", 8)
+    tables = tabulate(model)
+    priced: list[int] = []
+
+    def price(sol: Solution) -> float:  # far above every bound: only the limits can stop the search
+        priced.append(len(sol.stages))
+        return 1e9
+
+    got = search(tables, price, expansions=0)
+    assert priced == [len(solve(model).stages)] and got.exact is False and got.simulated == 1
+    assert [(s.start, s.end) for s in got.solution.stages] == [(s.start, s.end) for s in solve(model).stages]
