@@ -62,7 +62,7 @@ def time_default_command(layers: int, topology: str) -> tuple[float, float, str]
     return wall, cpu, what
 
 
-DEFAULT_CASES = [(512, "8x300GB/s,8x25GB/s"), (512, "16x300GB/s,4x25GB/s")]
+DEFAULT_CASES = [(512, "8x300GB/s,8x25GB/s"), (512, "16x300GB/s,4x25GB/s"), (512, "64x1GB/s")]
 
 CASES = [  # (layers, topology)
     (512, "8x300GB/s,8x25GB/s"),  # the headline: 512 layers x 64 workers x 2 levels
