@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_dropout_rng: error: sizes, --iters and --rounds must be >= 1", file=sys.stderr)
         return 2
     device = torch.device(args.device)
-    if device.type == "cuda":
+    if device.type == "cuda":  # set_device needs an index on older torch (2.11 on the GPU machines)
+        device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     stages = {"seeded": make_stage(args, args.dropout, device, seeded=True),
               "plain": make_stage(args, args.dropout, device, seeded=False),
