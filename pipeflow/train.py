@@ -185,9 +185,42 @@ def make_optimizer(args: argparse.Namespace) -> Any:
 
 
 def setup_logging(rank: int, size: int) -> None:
+    """A handler once per process (basicConfig does nothing the second time); the level from
+    $PIPEFLOW_LOG at every call, so that each run of main() in one process gets its own."""
     prefix = f"[rank {rank}] " if size > 1 else ""
-    logging.basicConfig(level=os.environ.get("PIPEFLOW_LOG", "INFO"), stream=sys.stderr,
-                        format=f"{prefix}%(levelname)s %(name)s: %(message)s")
+    level = os.environ.get("PIPEFLOW_LOG", "INFO")
+    logging.basicConfig(level=level, stream=sys.stderr, format=f"{prefix}%(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(level)
+
+
+class ProcessState:
+    """Process-wide state a run changes, saved before and restored after it, so that main() can run
+    many times in one process (tests/mpi_batch.py runs a test suite's cases in one MPI job) with no
+    run seeing another's: the global RNGs (build_model seeds them), the default dtype, the SIGTERM /
+    SIGINT handlers (an agreed stop returns before Supervisor.close restores them)."""
+
+    def __init__(self) -> None:
+        import signal
+
+        from pipeflow.failure import SignalStop
+
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.dtype = torch.get_default_dtype()
+        self.signals = {s: signal.getsignal(s) for s in SignalStop.SIGNALS}
+
+    def restore(self) -> None:
+        import signal
+        import threading
+
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        torch.set_default_dtype(self.dtype)
+        if threading.current_thread() is threading.main_thread():
+            for s, handler in self.signals.items():
+                if handler is not None:
+                    signal.signal(s, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,14 +233,22 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipeflow.failure import Watchdog, write_pid_file
 
-    comm = MPI.COMM_WORLD
+    comm = MPI.COMM_WORLD  # MPI is initialised once per process, by the import
     setup_logging(comm.Get_rank(), comm.Get_size())
     write_pid_file()
+    state = ProcessState()
     # Peer heartbeats: a rank that dies or stops ends the job within --timeout, even where MPI would wait.
     watchdog = Watchdog(comm, args.timeout if args.timeout > 0 else 300.0).start()
     atexit.register(watchdog.stop)
-    code = _main(args, comm, watchdog)
-    watchdog.stop(sync=True)  # _main returns on all ranks together: none beats at a finalised peer
+    try:
+        code = _main(args, comm, watchdog)
+        watchdog.stop(sync=True)  # _main returns on all ranks together: none beats at a finalised peer
+    finally:
+        watchdog.stop()
+        atexit.unregister(watchdog.stop)
+        if torch.distributed.is_initialized():  # an agreed stop or error returns with the group still up
+            torch.distributed.destroy_process_group()
+        state.restore()
     return code
 
 
