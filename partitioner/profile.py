@@ -1,4 +1,4 @@
-"""profile.json (`pipeflow.profile/1`): Profile and LayerProfile dataclasses, load/save/validate (DESIGN.md)."""
+"""profile.json (`pipeflow.profile/1`): Profile and LayerProfile dataclasses, load/save/validate (docs/formats.md)."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""The model contract: a layer list, a loss and a dataset (DESIGN.md, Commands)."""
+"""The model contract: a layer list, a loss and a dataset (README, Commands)."""
 from __future__ import annotations
 
 import importlib
@@ -71,7 +71,7 @@ def resolve_builder(model: str) -> Callable[..., ModelSpec]:
 
 
 def build_model(model: str, model_args: dict[str, Any] | None = None, *, seed: int = 0) -> ModelSpec:
-    """Seed, then build: every rank gets the weights a single process would (DESIGN.md, Reproducibility)."""
+    """Seed, then build: every rank gets the weights a single process would (docs/reproducibility.md)."""
     builder = resolve_builder(model)
     torch.manual_seed(seed)
     try:

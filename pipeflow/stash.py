@@ -1,6 +1,6 @@
 """Weight versions for the asynchronous schedules: PipeDream weight stashing, vertical sync and 2BW.
 
-Semantics (DESIGN.md, Schedules). Version k of a stage is its weights after k optimizer updates.
+Semantics (docs/schedules.md). Version k of a stage is its weights after k optimizer updates.
 A microbatch t runs its forward *and* its backward with one version v_s(t); its gradient is
 applied to the latest weights (PipeDream SOSP'19 §3.3, weight stashing):
 

@@ -1,4 +1,4 @@
-"""Single-process training that pipeflow's distributed runs must equal (DESIGN.md, Equivalence)."""
+"""Single-process training that pipeflow's distributed runs must equal (docs/reproducibility.md, What a run equals)."""
 from __future__ import annotations
 
 import json
@@ -43,7 +43,7 @@ def args_json(d: dict[str, Any]) -> str:
 
 def weight_versions(schedule: str, replicas: list[int], *, minibatch: int,
                     vertical_sync: bool = False) -> list[Callable[[int], int]]:
-    """Per stage, t -> the weight version microbatch t uses (DESIGN.md, Schedules; stash.py's docstring).
+    """Per stage, t -> the weight version microbatch t uses (docs/schedules.md; stash.py's docstring).
 
     async: stage s uses the version current at its forward in 1F1B(-RR), max(0, t // r_s - w_s) with
     w_s = ceil(sum(r[s:]) / r_s) - 1 warm-up forwards (no replicas: max(0, t - n + j), j = s + 1);
