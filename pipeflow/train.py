@@ -197,7 +197,7 @@ class ProcessState:
     """Process-wide state a run changes, saved before and restored after it, so that main() can run
     many times in one process (tests/mpi_batch.py runs a test suite's cases in one MPI job) with no
     run seeing another's: the global RNGs (build_model seeds them), the default dtype, the SIGTERM /
-    SIGINT handlers (an agreed stop returns before Supervisor.close restores them)."""
+    SIGINT handlers (an agreed stop returns before Supervisor.close restores them), the log level."""
 
     def __init__(self) -> None:
         import signal
@@ -208,6 +208,7 @@ class ProcessState:
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         self.dtype = torch.get_default_dtype()
         self.signals = {s: signal.getsignal(s) for s in SignalStop.SIGNALS}
+        self.log_level = logging.getLogger().level
 
     def restore(self) -> None:
         import signal
@@ -217,6 +218,7 @@ class ProcessState:
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
         torch.set_default_dtype(self.dtype)
+        logging.getLogger().setLevel(self.log_level)
         if threading.current_thread() is threading.main_thread():
             for s, handler in self.signals.items():
                 if handler is not None:
@@ -234,9 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     from pipeflow.failure import Watchdog, write_pid_file
 
     comm = MPI.COMM_WORLD  # MPI is initialised once per process, by the import
+    state = ProcessState()
     setup_logging(comm.Get_rank(), comm.Get_size())
     write_pid_file()
-    state = ProcessState()
     # Peer heartbeats: a rank that dies or stops ends the job within --timeout, even where MPI would wait.
     watchdog = Watchdog(comm, args.timeout if args.timeout > 0 else 300.0).start()
     atexit.register(watchdog.stop)

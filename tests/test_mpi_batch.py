@@ -32,13 +32,14 @@ def test_main_leaves_no_process_state_behind(tmp_path, monkeypatch):
     exactly like one process does."""
     monkeypatch.setenv("PIPEFLOW_LOG", "WARNING")
     torch.manual_seed(1234)
-    rng, dtype = torch.get_rng_state(), torch.get_default_dtype()
+    rng, dtype, level = torch.get_rng_state(), torch.get_default_dtype(), logging.getLogger().level
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     assert train.main(NAN) == 4
     root = logging.getLogger()
     n_handlers = len(root.handlers)
     assert torch.equal(torch.get_rng_state(), rng), "build_model's seed leaked out of the run"
     assert torch.get_default_dtype() == dtype
+    assert logging.getLogger().level == level
     assert {s: signal.getsignal(s) for s in handlers} == handlers, "the stop left pipeflow's signal handlers"
     assert not torch.distributed.is_initialized()
     out = tmp_path / "model.pt"
