@@ -43,6 +43,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ import pytest
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parent.parent
 MPIRUN = os.environ.get("PIPEFLOW_MPIRUN") or shutil.which("mpirun", path=str(BIN)) or shutil.which("mpirun")
+BATCHES = pytest.StashKey["Batches"]()
 BATCH_STARTUP_S = 120.0  # what a batch's mpirun may take beyond its cases' timeouts (start-up, loaded machine)
 
 
@@ -191,6 +193,7 @@ class Batches:
             self.steps[key] = [_Step(key, i, c, d / ".mpi" / f"case{i}") for i, c in enumerate(cases)]
         self.order = self._group_order()
         self.done: set[int] = set()
+        self.launches: list[tuple[int, int, float]] = []  # (-np, cases, seconds) of each mpirun
 
     def _group_order(self) -> list[int]:
         """The -np groups in an order that runs each test's cases in theirs (first seen first)."""
@@ -228,7 +231,9 @@ class Batches:
         # Within a test, its cases in order; tests in collection order.
         if os.environ.get("PIPEFLOW_TEST_NO_BATCH") == "1":
             for s in todo:
+                t0 = time.monotonic()
                 s.proc = run_mpi(n, s.case.args, timeout=s.case.timeout, check=False, env=s.case.env)
+                self.launches.append((n, 1, time.monotonic() - t0))
             return
         attempt = 0
         while todo:
@@ -241,6 +246,7 @@ class Batches:
                                      "out": str(s.out)} for s in todo], indent=1))
         cmd = [_mpirun(), "-np", str(n), sys.executable, "-m", "tests.mpi_batch", str(path)]
         limit = BATCH_STARTUP_S + sum(s.case.timeout for s in todo)
+        t0 = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=mpi_env(),
                                 cwd=ROOT, start_new_session=True)
         try:
@@ -250,6 +256,7 @@ class Batches:
             os.killpg(proc.pid, signal.SIGKILL)  # mpirun and the ranks it started
             out, err = proc.communicate()
             why = f"the batch ran past its timeout of {limit:.0f} s"
+        self.launches.append((n, len(todo), time.monotonic() - t0))
         for i, s in enumerate(todo):
             codes = [_read_code(s.out / f"rank{r}.json") for r in range(n)]
             if all(c is not None for c in codes):
@@ -284,7 +291,17 @@ def _completed(s: _Step, codes: list[int | None], extra: str = "") -> subprocess
 
 @pytest.fixture(scope="session")
 def _mpi_batches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Batches:
-    return Batches(request.session.items, tmp_path_factory.mktemp("mpi"))
+    batches = Batches(request.session.items, tmp_path_factory.mktemp("mpi"))
+    request.config.stash[BATCHES] = batches
+    return batches
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    batches = config.stash.get(BATCHES, None)
+    if batches is None or not batches.launches:
+        return
+    runs = ", ".join(f"-np {n}: {k} case{'s' * (k != 1)} in {t:.0f} s" for n, k, t in batches.launches)
+    terminalreporter.write_line(f"batched distributed cases: {len(batches.launches)} mpirun launches ({runs})")
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""The repository stands alone: no tracked file points at documents outside it (the team's ../shared/
-pages); the user documentation lives in docs/ and every page it links exists."""
+"""The repository stands alone: no tracked file points at documents outside it (the team's shared pages
+next to the checkout); the user documentation lives in docs/ and every page it links exists."""
 from __future__ import annotations
 
 import re
