@@ -18,15 +18,22 @@ mpi4py's own suite runs one file under N processes the same way). To write one:
     def test_something(mpi: MpiRun, schedule: str) -> None:
         got = torch.load(mpi.dir / "model.pt")          # mpi.proc: its CompletedProcess (stderr, returncode)
 
+Moving a test onto it: the `run_mpi(np, args, env=..., timeout=...)` of its body becomes a builder
+returning `Case(np, args, env=..., timeout=...)`, with paths under the builder's `d` instead of `tmp_path`;
+the test takes `mpi` and reads its files from `mpi.dir` and the output from `mpi.proc.stderr`.
+
 - The builder gets the directory and those of the test's parameters that its signature names; it runs
-  at batch time, before any test, so it may write input files (plans) into the directory.
+  when the first batched test is set up (for every selected test at once), so it may write input files
+  (plans) into the directory.
 - It may return a list of cases: they run in that order (later ones may read what earlier ones wrote,
   e.g. a checkpoint to resume; -np may differ between them), and `mpi.procs` holds one result each.
 - Tests batched with the same builder and parameters share one run (a module's common run).
-- `Case(check=False)` for a run expected to return non-zero (then assert on `mpi.proc.returncode`);
-  by default a non-zero exit fails the test with the run's output.
-- A run that is expected to call MPI Abort (dead ranks, signals, non-finite values of asynchronous
-  schedules) would end the whole batch: keep it a launch of its own with `run_mpi`.
+- `mpi.proc.stdout` / `.stderr` are the ranks' outputs of that case, one rank after the other (not
+  interleaved as mpirun prints them); `.returncode` is the first non-zero rank exit code, or 0.
+- By default a non-zero exit fails the test with the run's output; `Case(check=False)` for a run that
+  returns non-zero on purpose (then assert on `mpi.proc.returncode`).
+- Runs that are meant to fail or abort (bad input, signals, dead or stopped ranks, NaN) stay launches
+  of their own (`run_mpi`, or Popen for signals): one that calls MPI Abort would end the whole batch.
 - `PIPEFLOW_TEST_NO_BATCH=1` runs every case as its own `mpirun -np N python -m pipeflow.train`, for
   debugging one; a case that hangs or crashes in a batch is reported with its output, and the cases
   after it run in a new batch.
