@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -117,8 +118,56 @@ def build(args: argparse.Namespace, train_args: Sequence[str]) -> list[str]:
                           as_root=hasattr(os, "geteuid") and os.geteuid() == 0, cpu_count=os.cpu_count())
 
 
-def run(argv: Sequence[str]) -> int:
-    """Run argv, forwarding SIGINT/SIGTERM to it; its exit code (128+N if signal N killed it)."""
+# Exit codes of pipeflow-train that come with its own message (train.py, failure.py): usage, traceback,
+# dead peer, non-finite, SIGINT, SIGTERM. Any other code from mpirun means a rank died without a word.
+TRAIN_CODES = (0, 1, 2, 3, 4, 128 + signal.SIGINT, 128 + signal.SIGTERM)
+
+
+class RankWatch:
+    """Which rank died first, from the pids the ranks write to $PIPEFLOW_PID_DIR (failure.write_pid_file).
+
+    MPICH's mpirun kills every rank at once when one is killed (a kill -9, the OOM killer, a segfault),
+    before any survivor can speak, and its banner names a pid. With auto-cleanup off the survivors are
+    sent SIGUSR1 and die on their next MPI call to the dead rank, still silently (MPICH 5.0.2; issue 11).
+    So the launcher, which outlives the job, watches the pids of the ranks on this host and names the
+    first that vanished while mpirun still ran.
+    """
+
+    def __init__(self, pid_dir: Path, workers: int) -> None:
+        self.pid_dir, self.workers = pid_dir, workers
+        self.pids: dict[int, int] = {}
+        self.first_dead: tuple[int, int] | None = None  # (rank, pid)
+
+    def poll(self) -> None:
+        if len(self.pids) < self.workers:
+            for f in self.pid_dir.glob("rank*.pid"):
+                try:
+                    rank, pid = int(f.stem[4:]), int(f.read_text())
+                except (ValueError, OSError):
+                    continue  # being written
+                self.pids.setdefault(rank, pid)
+        if self.first_dead is None:
+            for rank, pid in sorted(self.pids.items()):
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    self.first_dead = (rank, pid)
+                    break
+                except PermissionError:
+                    pass
+
+    def explain(self, rc: int) -> str | None:
+        """The line to print after mpirun exited with `rc`, or None when pipeflow-train spoke itself."""
+        if rc in TRAIN_CODES or self.first_dead is None:
+            return None
+        rank, pid = self.first_dead
+        return (f"{PROG}: error: rank {rank} (pid {pid}) died first, without a message from pipeflow-train (killed by "
+                f"a signal or crashed; mpirun exited {rc}), and mpirun ended the other ranks")
+
+
+def run(argv: Sequence[str], watch: RankWatch | None = None) -> int:
+    """Run argv, forwarding SIGINT/SIGTERM to it; its exit code (128+N if signal N killed it). With a
+    watch, name the rank that died first when the job ends without pipeflow-train's own message."""
     try:
         proc = subprocess.Popen(list(argv))
     except OSError as e:
@@ -130,11 +179,21 @@ def run(argv: Sequence[str]) -> int:
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        rc = proc.wait()
+        while True:
+            try:
+                rc = proc.wait(timeout=0.02 if watch is not None else None)
+                break
+            except subprocess.TimeoutExpired:
+                assert watch is not None
+                watch.poll()
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
-    return 128 - rc if rc < 0 else rc
+    rc = 128 - rc if rc < 0 else rc
+    line = watch.explain(rc) if watch is not None else None
+    if line is not None:
+        os.write(2, f"{line}\n".encode())
+    return rc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -149,8 +208,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
-    print(f"{PROG}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    return run(cmd)
+    given = parse_env(args.env).get("PIPEFLOW_PID_DIR")
+    with tempfile.TemporaryDirectory(prefix="pipeflow-launch-") as tmp:
+        watch = None
+        if args.hosts is None:  # every rank on this host: their pids can be watched (RankWatch)
+            pid_dir = Path(given or tmp)
+            if given is None:
+                args.env.append(f"PIPEFLOW_PID_DIR={tmp}")
+                cmd = build(args, train_args)
+            watch = RankWatch(pid_dir, Plan.load(args.plan).workers)
+        print(f"{PROG}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+        return run(cmd, watch)
 
 
 if __name__ == "__main__":

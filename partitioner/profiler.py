@@ -3,6 +3,8 @@ parameter bytes on a device (PipeDream SOSP'19 §3.1: the profile the partitione
 from __future__ import annotations
 
 import argparse
+import copy
+import os
 import statistics
 import sys
 import time
@@ -14,7 +16,7 @@ from torch import nn
 
 from partitioner.profile import LayerProfile, Profile, ProfileError
 from pipeflow.data.loader import MicrobatchLoader
-from pipeflow.spec import ModelError, ModelSpec, build_model, parse_model_args
+from pipeflow.spec import ModelError, ModelSpec, build_model, model_dtype, parse_model_args
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -61,13 +63,13 @@ class _Timer:
         return (time.perf_counter() - t0) * 1e3
 
 
-def _prepare_input(x: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    """Detached copies on the device; floating ones in the profiling dtype and requiring grad, as a
-    stage's received activations are."""
+def _prepare_input(x: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+    """Detached copies on the device; floating ones (in `dtype` if given) requiring grad, as a stage's
+    received activations are."""
     def prep(t: torch.Tensor) -> torch.Tensor:
         t = t.detach().to(device)
         if t.is_floating_point():
-            t = t.to(dtype).requires_grad_(True)
+            t = (t if dtype is None else t.to(dtype)).requires_grad_(True)
         return t
     return _map(x, prep)
 
@@ -104,7 +106,7 @@ def _time_forward_backward(layer: nn.Module, x: Any, timer: _Timer) -> tuple[flo
     return t_f, t_b
 
 
-def profile_layer(layer: nn.Module, x: Any, *, device: torch.device, dtype: torch.dtype, warmup: int,
+def profile_layer(layer: nn.Module, x: Any, *, device: torch.device, dtype: torch.dtype | None, warmup: int,
                   repeats: int) -> tuple[dict[str, Any], Any]:
     """Measure one layer on input `x`; returns its numbers and its (detached) output for the next layer."""
     timer = _Timer(device)
@@ -132,26 +134,104 @@ def profile_layer(layer: nn.Module, x: Any, *, device: torch.device, dtype: torc
     return stats, out
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _sandbox_copy(layer: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
+    """A private copy of `layer` to measure, in train mode on the device (torchgpipe's training_sandbox):
+    the user's layer keeps its parameters, buffers (BatchNorm statistics), device, dtype and mode."""
+    return copy.deepcopy(layer).to(device=device, dtype=dtype).train()
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _machine_bytes(device: torch.device) -> tuple[int, str]:
+    """Memory a microbatch must fit in: the GPU's on cuda, the host's RAM otherwise."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, f"GPU {device}"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
+
+
+def _nbytes(x: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors(x))
+
+
+def _check_microbatch_fits(spec: ModelSpec, microbatch_size: int, device: torch.device,
+                           dtype: torch.dtype | None, seed: int) -> None:
+    """Refuse, before collating it, a microbatch that cannot fit (issue 11). Rule: measured on a probe of
+    min(b, 2) samples and scaled linearly to b, (1) the microbatch's input and target must fit in host RAM
+    and (2) the largest layer's input + output + saved activations must fit in the device's memory."""
+    n = min(microbatch_size, 2)
+    x, y = MicrobatchLoader(spec.dataset, n, seed=seed).microbatch(0)
+    host = (_nbytes(x) + _nbytes(y)) * microbatch_size // n
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if host > ram:
+        raise ProfileError(f"--microbatch-size {microbatch_size} cannot work: its input and target take about "
+                           f"{host / 2**30:.1f} GiB ({(host * n // microbatch_size)} bytes per {n} samples) but "
+                           f"this machine has {ram / 2**30:.1f} GiB of RAM; use a smaller --microbatch-size")
+    need = 0
+    x = _cast_floats_to(x, dtype)
+    for layer in spec.layers:
+        work = _sandbox_copy(layer, device, dtype)
+        x = _prepare_input(x, device, None)
+        with torch.no_grad():
+            out = work(x)
+        need = max(need, _nbytes(x) + _nbytes(out) + _saved_bytes(work, x))
+        x = _map(out, lambda t: t.detach())
+        del work
+    _free(device)
+    need = need * microbatch_size // n
+    room, where = _machine_bytes(device)
+    if need > room:
+        raise ProfileError(f"--microbatch-size {microbatch_size} cannot work: one layer needs about "
+                           f"{need / 2**30:.1f} GiB for its input, output and saved activations (measured on {n} "
+                           f"samples, scaled) but {where} has {room / 2**30:.1f} GiB; use a smaller "
+                           "--microbatch-size")
+
+
+def _cast_floats_to(x: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is None:
+        return x
+    return _map(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
 def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.device = "cpu", *,
-                  dtype: str = "float32", warmup: int = 2, repeats: int = 5, seed: int = 0) -> Profile:
-    """Profile every layer of `spec` on one real microbatch of its dataset, in order (in-process API)."""
-    if dtype not in DTYPES:
+                  dtype: str | None = None, warmup: int = 2, repeats: int = 5, seed: int = 0) -> Profile:
+    """Profile every layer of `spec` on one real microbatch of its dataset, in order (in-process API).
+
+    `dtype` None profiles in the model's own dtype, as pipeflow-train runs it without --dtype; floating
+    inputs are cast to the dtype of the first floating-point parameter (pipeflow.stage.model_dtype).
+    Each layer is measured on a deep copy, freed after, with the global CPU and CUDA generators saved and
+    restored: the user's layers and RNG are left exactly as they were."""
+    if dtype is not None and dtype not in DTYPES:
         raise ProfileError(f"--dtype must be one of {', '.join(DTYPES)}, found {dtype!r}")
     if warmup < 0 or repeats < 1:
         raise ProfileError(f"need --warmup >= 0 and --repeats >= 1, found {warmup} and {repeats}")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ProfileError("--device cuda, but torch sees no CUDA device; use --device cpu")
-    torch_dtype = DTYPES[dtype]
-    x, _ = MicrobatchLoader(spec.dataset, microbatch_size, seed=seed).microbatch(0)
+    torch_dtype = DTYPES[dtype] if dtype is not None else None
+    model = nn.ModuleList(spec.layers)
+    in_dtype = torch_dtype or model_dtype(model)
+    name = dtype or _dtype_name(in_dtype or torch.float32)
+    cuda_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
     layers = []
-    for i, layer in enumerate(spec.layers):
-        layer.to(device=dev, dtype=torch_dtype)
-        layer.train()
-        stats, x = profile_layer(layer, x, device=dev, dtype=torch_dtype, warmup=warmup, repeats=repeats)
-        stats["name"] = f"{i}:{stats['name']}"
-        layers.append(stats)
-    return Profile(spec.name or "model", dict(spec.args), dev.type, dtype, microbatch_size,
+    with torch.random.fork_rng(devices=cuda_devices):  # restores the CPU and this GPU's generators
+        _check_microbatch_fits(spec, microbatch_size, dev, in_dtype, seed)
+        x, _ = MicrobatchLoader(spec.dataset, microbatch_size, seed=seed).microbatch(0)
+        x = _cast_floats_to(x, in_dtype)
+        for i, layer in enumerate(spec.layers):
+            work = _sandbox_copy(layer, dev, torch_dtype)
+            stats, x = profile_layer(work, x, device=dev, dtype=None, warmup=warmup, repeats=repeats)
+            del work
+            _free(dev)
+            stats["name"] = f"{i}:{stats['name']}"
+            layers.append(stats)
+    return Profile(spec.name or "model", dict(spec.args), dev.type, name, microbatch_size,
                    [LayerProfile(**s) for s in layers])
 
 
@@ -161,7 +241,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-args", default=None, help="JSON object of keyword arguments for the model builder")
     p.add_argument("--microbatch-size", type=int, required=True)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                   help="cast the layers to this dtype (default: the dtype the model's builder gave it)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)

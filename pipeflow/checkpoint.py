@@ -2,7 +2,8 @@
 
     D/step-000005/stage-000.pt   weights, optimizer state, RNG, policy extra state of stage 0
     D/step-000005/stage-001.pt
-    D/step-000005/COMPLETE       JSON written by rank 0 once every stage confirmed its file
+    D/step-000005/COMPLETE       JSON written by rank 0 once every stage confirmed its file, with each
+                                 file's size and sha256, so that a resume can verify them exactly
 
 Weights use the keys of nn.Sequential(*spec.layers) ("3.fc.weight") and optimizer state is keyed by
 the same parameter names, so a checkpoint resumes under any plan or number of workers. The data
@@ -10,6 +11,7 @@ position is the step: the sample order is a pure function of the seed and the st
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -98,8 +100,67 @@ def stage_payload(engine: Any, step: int, run_info: dict[str, Any]) -> dict[str,
             "extra": extra_state() if callable(extra_state) else None, "run": run_info}
 
 
+class _HashingSink:
+    """The file object torch.save writes to: hashes the bytes on the way, and keeps the OSError of a failed
+    write, which torch's zip writer turns into a RuntimeError without the errno ("unexpected pos")."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+        self.error: OSError | None = None
+
+    def write(self, b: bytes) -> int:
+        try:
+            n = self.f.write(b)
+        except OSError as e:
+            self.error = e
+            raise
+        self.sha.update(b)
+        self.size += len(b)
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_torch(path: Path, obj: Any) -> tuple[int, str]:
+    """torch.save `obj` to `path` atomically; returns (bytes, sha256 hex). A failed write raises its OSError
+    (ENOSPC names itself), not torch's errno-less RuntimeError."""
+    digest: list[tuple[int, str]] = []
+
+    def write(f: IO[bytes]) -> None:
+        sink = _HashingSink(f)
+        try:
+            torch.save(obj, sink)  # type: ignore[arg-type]  # a file-like object with write()
+        except RuntimeError:
+            if sink.error is not None:
+                raise sink.error from None
+            raise
+        digest.append((sink.size, sink.sha.hexdigest()))
+
+    atomic_write(path, write)
+    return digest[0]
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def reason(e: BaseException) -> str:
+    """An exception as the end of one line: an OSError's strerror (\"No space left on device\")."""
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
 def save(engine: Any, root: str | Path, step: int, comm: Any, run_info: dict[str, Any]) -> Path:
-    """Collective: replica 0 of every stage writes its file; rank 0 writes COMPLETE once all confirmed."""
+    """Collective: replica 0 of every stage writes its file; rank 0 writes COMPLETE, with every file's size and
+    sha256, once all confirmed. A failure on any rank raises CheckpointError on every rank ("checkpoint of step
+    5 to D/step-000005 failed: ...: No space left on device"), the step left without its marker."""
     d = step_dir(root, step)
     error: str | None = None
     if comm.Get_rank() == 0:
@@ -107,27 +168,30 @@ def save(engine: Any, root: str | Path, step: int, comm: Any, run_info: dict[str
             d.mkdir(parents=True, exist_ok=True)
             (d / MARKER).unlink(missing_ok=True)  # rewriting a step: incomplete until every file is new
         except OSError as e:
-            error = f"cannot create checkpoint directory {d}: {e.strerror}"
+            error = f"cannot create the directory: {e.strerror}"
     comm.Barrier()
+    written: tuple[int, int, str] | None = None  # (stage, bytes, sha256)
     if engine.r == 0 and error is None:
         path = stage_file(d, engine.s)
         try:
             d.mkdir(parents=True, exist_ok=True)
             payload = stage_payload(engine, step, run_info)
-            atomic_write(path, lambda f: torch.save(payload, f))
-        except OSError as e:
-            error = f"cannot write checkpoint file {path}: {e.strerror or e}"
-    errors = comm.allgather(error)
-    if any(errors):
-        raise CheckpointError(next(e for e in errors if e))
+            written = (engine.s, *write_torch(path, payload))
+        except (OSError, RuntimeError) as e:  # RuntimeError: torch's writer failed without an OSError behind
+            error = f"cannot write {path.name}: {reason(e)}"
+    results = comm.allgather((error, written))
+    errors = [e for e, _ in results if e]
+    if errors:
+        raise CheckpointError(f"checkpoint of step {step} to {d} failed: {errors[0]}")
     if comm.Get_rank() == 0:
-        stages = [{"file": stage_file(d, s).name, "layers": list(st.layers)}
-                  for s, st in enumerate(engine.plan.stages)]
+        sums = {s: (n, sha) for _, w in results if w is not None for s, n, sha in [w]}
+        stages = [{"file": stage_file(d, s).name, "layers": list(st.layers), "bytes": sums[s][0],
+                   "sha256": sums[s][1]} for s, st in enumerate(engine.plan.stages)]
         marker = {"format": CKPT_FORMAT, "step": step, "stages": stages, "run": run_info}
         try:
             atomic_write(d / MARKER, lambda f: f.write((json.dumps(marker, indent=1) + "\n").encode()))
         except OSError as e:
-            error = f"cannot write {d / MARKER}: {e.strerror}"
+            error = f"checkpoint of step {step} to {d} failed: cannot write {MARKER}: {e.strerror}"
     error = comm.bcast(error, root=0)
     if error:
         raise CheckpointError(error)
@@ -151,17 +215,17 @@ def complete_steps(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def resolve(resume: str, checkpoint_dir: str | None) -> Path | None:
-    """The step directory to resume from: `resume` is "latest" (newest complete one in
-    --checkpoint-dir, None if there is none yet) or a path (a step directory, or a directory of them)."""
+def candidates(resume: str, checkpoint_dir: str | None) -> list[Path]:
+    """The step directories to try resuming from, best first: `resume` is "latest" (the complete ones in
+    --checkpoint-dir, newest first; none yet: empty) or a path: a step directory (that one only) or a
+    directory of them (its complete ones, newest first)."""
     if resume == "latest":
         if not checkpoint_dir:
             raise CheckpointError("--resume without a path needs --checkpoint-dir (where to look for the latest)")
-        found = complete_steps(checkpoint_dir)
-        return found[-1][1] if found else None
+        return [d for _, d in reversed(complete_steps(checkpoint_dir))]
     p = Path(resume)
     if (p / MARKER).is_file():
-        return p
+        return [p]
     if not p.exists():
         raise CheckpointError(f"--resume {resume}: no such file or directory")
     if p.is_file():
@@ -173,7 +237,39 @@ def resolve(resume: str, checkpoint_dir: str | None) -> Path | None:
     found = complete_steps(p)
     if not found:
         raise CheckpointError(f"--resume {resume}: no complete checkpoint (step-NNNNNN/ with {MARKER}) in it")
-    return found[-1][1]
+    return [d for _, d in reversed(found)]
+
+
+def resolve(resume: str, checkpoint_dir: str | None) -> Path | None:
+    """The newest of `candidates` (None: no checkpoint in --checkpoint-dir yet)."""
+    found = candidates(resume, checkpoint_dir)
+    return found[0] if found else None
+
+
+def verify(d: Path, marker: dict[str, Any], stages: range | list[int]) -> list[str]:
+    """What is wrong with the files of `stages` (indices into the marker's list) of step directory `d`: missing,
+    another size, or another sha256 than the marker recorded. Markers without sizes and checksums (written
+    before they were recorded) verify by presence only."""
+    problems = []
+    for i in stages:
+        st = marker["stages"][i]
+        path = d / st["file"]
+        try:
+            size = path.stat().st_size
+        except OSError as e:
+            problems.append(f"{path} is missing" if isinstance(e, FileNotFoundError) else f"{path}: {e.strerror}")
+            continue
+        if "bytes" in st and size != st["bytes"]:
+            problems.append(f"{path} is truncated or overwritten ({size} bytes, {MARKER} says {st['bytes']})")
+        elif "sha256" in st:
+            try:
+                ok = file_sha256(path) == st["sha256"]
+            except OSError as e:
+                problems.append(f"{path}: {e.strerror}")
+                continue
+            if not ok:
+                problems.append(f"{path} is corrupt (its sha256 differs from the one in {MARKER})")
+    return problems
 
 
 def read_marker(d: Path) -> dict[str, Any]:
@@ -187,10 +283,11 @@ def read_marker(d: Path) -> dict[str, Any]:
           and isinstance(marker.get("step"), int) and isinstance(marker.get("run"), dict)
           and isinstance(marker.get("stages"), list) and marker["stages"]
           and all(isinstance(s, dict) and isinstance(s.get("file"), str) and "/" not in s["file"]
-                  and _is_range(s.get("layers")) for s in marker["stages"]))
+                  and _is_range(s.get("layers")) and isinstance(s.get("bytes", 0), int)
+                  and isinstance(s.get("sha256", ""), str) for s in marker["stages"]))
     if not ok:
         raise CheckpointError(f"{path}: not a {CKPT_FORMAT} marker: expected an object with format, step, run "
-                              "and stages [{file, layers: [start, end)}]")
+                              "and stages [{file, layers: [start, end), bytes, sha256}]")
     return marker
 
 

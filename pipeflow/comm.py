@@ -5,6 +5,7 @@ import logging
 import os
 import pickle
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -96,6 +97,19 @@ def new_groups(world: World, rank_sets: list[list[int]]) -> dict[tuple[int, ...]
     return groups
 
 
+def p2p_max_ctas(environ: Mapping[str, str] = os.environ) -> int:
+    """PIPEFLOW_P2P_MAX_CTAS as an integer >= 0 (0: NCCL's own choice); default 4."""
+    text = environ.get("PIPEFLOW_P2P_MAX_CTAS", "4")
+    try:
+        ctas = int(text)
+    except ValueError:
+        ctas = -1
+    if ctas < 0:
+        raise ValueError(f"PIPEFLOW_P2P_MAX_CTAS must be an integer >= 0 (CTAs per NCCL point-to-point channel; "
+                         f"0: NCCL's choice), found {text!r}")
+    return ctas
+
+
 def p2p_group_options(backend: str) -> Any:
     """NCCL options for the point-to-point channels: a posted receive occupies its CTAs on the GPU
     until the peer's send arrives, so each channel gets few (PIPEFLOW_P2P_MAX_CTAS, default 4) to
@@ -103,7 +117,7 @@ def p2p_group_options(backend: str) -> Any:
     if backend != "nccl":
         return None
     opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-    ctas = int(os.environ.get("PIPEFLOW_P2P_MAX_CTAS", "4"))
+    ctas = p2p_max_ctas()
     if ctas > 0:
         opts.config.max_ctas = ctas
         opts.config.min_ctas = min(opts.config.min_ctas, ctas) if opts.config.min_ctas > 0 else 1

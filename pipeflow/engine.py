@@ -51,10 +51,11 @@ class WeightPolicy:
 class Engine:
     def __init__(self, world: World, plan: Plan, spec: ModelSpec, *, schedule: str,
                  optimizer_factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
-                 loader: MicrobatchLoader, dtype: torch.dtype = torch.float32, total_steps: int = 1,
+                 loader: MicrobatchLoader, dtype: torch.dtype | None = None, total_steps: int = 1,
                  timer: Timer | None = None, vertical_sync: bool = False,
-                 warmup: list[int] | None = None, segment_steps: int | None = None) -> None:
-        self.world, self.plan, self.spec, self.loader = world, plan, spec, loader
+                 warmup: list[int] | None = None, segment_steps: int | None = None, seed: int = 0) -> None:
+        # No reference to spec (its layer list) is kept: only this stage's layers stay alive (issue 10).
+        self.world, self.plan, self.loader = world, plan, loader
         self.schedule_name = schedule
         self.m = plan.microbatches
         self.total_steps = total_steps
@@ -63,7 +64,8 @@ class Engine:
         self.S = len(plan.stages)
         st = plan.stages[self.s]
         self.stage = Stage(spec.layers[st.layers[0]:st.layers[1]], start=st.layers[0], first=self.s == 0,
-                           last=self.s == self.S - 1, loss_fn=spec.loss_fn, device=world.device, dtype=dtype)
+                           last=self.s == self.S - 1, loss_fn=spec.loss_fn, device=world.device, dtype=dtype,
+                           seed=seed)
         self.optimizer = optimizer_factory(self.stage.parameters())
         self.flush = schedule in FLUSH_SCHEDULES
         self.warmup, self.vertical_sync = warmup, vertical_sync
@@ -231,7 +233,7 @@ class Engine:
         self.policy.before_forward(i)
         scale = 1.0 / self.m if self.schedule_name != "async" else 1.0
         with self.timer.span("F", i):
-            outs = self.stage.forward(i, inputs, target, loss_scale=scale)
+            outs = self.stage.forward(i, inputs, target, loss_scale=scale, global_mb=j)
         self.policy.after_forward(i)
         if self.stage.last:
             self.losses.append(outs[0])

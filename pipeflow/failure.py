@@ -31,8 +31,11 @@ class StopTraining(Exception):
 
 
 def say(text: str) -> None:
-    """One line on stderr, flushed now: the process may be aborted right after."""
-    print(text, file=sys.stderr, flush=True)
+    """One line on stderr, now, in one write: the process may be aborted right after, and under
+    PYTHONUNBUFFERED=1 print() writes the text and its newline separately, so that lines of
+    several ranks sharing mpirun's stderr could merge."""
+    sys.stderr.flush()
+    os.write(2, (text.rstrip("\n") + "\n").encode())
 
 
 def agree(comm: Any, error: str | None) -> str | None:
@@ -210,9 +213,13 @@ class StepGuard:
     """
 
     def __init__(self, engine: Any, comm: Any, signals: SignalStop, *, skip_nonfinite: bool,
-                 agree_every_step: bool) -> None:
+                 agree_every_step: bool, max_skips: int = 0) -> None:
         self.engine, self.comm, self.signals = engine, comm, signals
         self.skip = skip_nonfinite
+        # --max-skips: a run that skips this many steps in a row does not recover; stop it (exit 4)
+        # instead of "training" to the end on NaN (0: never).
+        self.max_skips = max_skips
+        self.consecutive = 0  # skipped in a row, up to the last agreement (flush) or update (async)
         self.agree_every_step = agree_every_step
         self.stages = engine.S
         actions = engine.actions
@@ -296,14 +303,24 @@ class StepGuard:
             return not nonfinite
         if bad_grad or bad_loss:
             self.skipped.append(step)
+            self.consecutive += 1
             what = "loss" if bad_loss else "gradients"
             if not self.skip:
                 raise NonFiniteError(f"non-finite {what} at update {step + 1} on stage {self.engine.s}; the update "
                                      "was not applied. Lower --lr, check the data, or pass --skip-nonfinite")
+            if self.max_skips and self.consecutive >= self.max_skips:
+                raise NonFiniteError(f"non-finite {what} at update {step + 1} on stage {self.engine.s}: "
+                                     f"{self._skip_count(len(self.skipped))}. Lower --lr or check the data")
             log.warning("non-finite %s at update %d on stage %d: skipped (--skip-nonfinite)", what, step + 1,
                         self.engine.s)
             return False
+        self.consecutive = 0
         return True
+
+    def _skip_count(self, total: int) -> str:
+        return (f"{self.consecutive} consecutive {'steps' if self.agree_every_step else 'updates'} skipped "
+                f"({total} in all; --skip-nonfinite stops after --max-skips {self.max_skips} in a row), "
+                "the run is not recovering")
 
     def _agree(self, step: int) -> bool:
         """Allreduce [signal, signalled rank, loss-bad per stage, grad-bad per stage]; True if non-finite."""
@@ -330,12 +347,20 @@ class StepGuard:
                             f"{', '.join(map(str, grad_stages))}")
             text = f"non-finite {' and '.join(what)} at step {step + 1}"
             if self.skip:
-                if self.comm.Get_rank() == 0:
+                self.consecutive += 1
+                if self.max_skips and self.consecutive >= self.max_skips and self.stop_reason is None:
+                    # This step is skipped too (the caller records it after we return).
+                    count = self._skip_count(len(self.skipped) + 1)
+                    self.stop_reason = f"{text}: {count}. Lower --lr or check the data"
+                    self.exit_code = EXIT_NONFINITE
+                elif self.comm.Get_rank() == 0:
                     log.warning("%s: step skipped (--skip-nonfinite)", text)
             elif self.stop_reason is None:
                 self.stop_reason = (f"{text}; the update was not applied. Lower --lr, check the data, or pass "
                                     "--skip-nonfinite to skip such steps")
                 self.exit_code = EXIT_NONFINITE
+        else:
+            self.consecutive = 0
         if every[0] and self.stop_reason is None:
             name = signal.Signals(int(every[0])).name
             self.stop_reason = f"stopped by {name} (received by rank {int(every[1]) - 1}) after step {step + 1}"
@@ -359,30 +384,27 @@ class Supervisor:
         self.args, self.engine, self.comm, self.run_info = args, engine, comm, run_info
         self.signals = SignalStop()
         self.guard = StepGuard(engine, comm, self.signals, skip_nonfinite=args.skip_nonfinite,
-                               agree_every_step=engine.flush)
+                               agree_every_step=engine.flush, max_skips=getattr(args, "max_skips", 0))
         self.saved_step = -1
         self.saved: Path | None = None
+        self.done = 0  # steps finished on this rank
+        self.immediate: Any = None  # interrupt.ImmediateStop
 
     def start(self) -> int:
         """Resume if asked (every rank agrees on the outcome); install the guard and signal handlers.
         Returns the number of steps already done."""
         from pipeflow import checkpoint
+        from pipeflow.resume import choose
 
         step, error = 0, None
         if self.args.resume:
-            found: tuple[str | None, dict[str, Any] | None, str | None] = (None, None, None)
-            if self.comm.Get_rank() == 0:  # one rank resolves "latest", so that all load the same step
-                try:
-                    d = checkpoint.resolve(self.args.resume, self.args.checkpoint_dir)
-                    found = (str(d), checkpoint.read_marker(d), None) if d else (None, None, None)
-                except checkpoint.CheckpointError as e:
-                    found = (None, None, str(e))
-            path, marker, error = self.comm.bcast(found, root=0)
-            if error is None and path is not None:
-                try:
-                    step = checkpoint.load(self.engine, Path(path), self.run_info, marker)
-                except checkpoint.CheckpointError as e:
-                    error = str(e)
+            path: Path | None = None
+            try:  # the newest complete checkpoint whose files verify, the same on every rank
+                path, marker = choose(self.comm, self.args.resume, self.args.checkpoint_dir)
+                if path is not None:
+                    step = checkpoint.load(self.engine, path, self.run_info, marker)
+            except checkpoint.CheckpointError as e:
+                error = str(e)
             error = agree(self.comm, error)
             if error:
                 raise AgreedError(error)
@@ -392,12 +414,21 @@ class Supervisor:
                                 self.args.checkpoint_dir)
                 else:
                     log.info("resumed from %s: continuing after step %d", path, step)
+            if step >= self.args.steps:  # say so rather than do nothing silently
+                raise StopTraining(f"nothing to train: the checkpoint {path} is at step {step} and --steps is "
+                                   f"{self.args.steps}; pass --steps above {step} to train on"
+                                   + (f" (--save {self.args.save} not written)" if self.args.save else ""), 0)
         self.saved_step = step
         self.engine.step_guard = self.guard
         # Asynchronous pipelines stop at segment boundaries (after_segment), which exist with --checkpoint-dir;
         # without one the run is one segment and signals end it as usual.
         if self.engine.flush or self.args.checkpoint_dir:
             self.signals.install()
+        else:  # no boundary to stop at and nothing to save: a signal ends the job at once, in one line
+            from pipeflow.interrupt import ImmediateStop
+
+            self.immediate = ImmediateStop(self.comm, lambda: self.done).install()
+        self.done = step
         return step
 
     def segments(self, start: int) -> list[tuple[int, int]]:
@@ -414,8 +445,6 @@ class Supervisor:
         through one allreduce whether a rank was signalled; checkpoint (with --checkpoint-dir); stop if agreed."""
         from mpi4py import MPI
 
-        from pipeflow import checkpoint
-
         if not self.args.checkpoint_dir:
             return
         mine = np.zeros(2, dtype=np.int64)
@@ -424,10 +453,7 @@ class Supervisor:
         every = np.empty_like(mine)
         self.comm.Allreduce(mine, every, op=MPI.MAX)
         if step != self.saved_step:
-            self.saved = checkpoint.save(self.engine, self.args.checkpoint_dir, step, self.comm, self.run_info)
-            self.saved_step = step
-            if self.comm.Get_rank() == 0:
-                log.info("checkpoint %s", self.saved)
+            self._checkpoint(step)
         if every[0]:
             name = signal.Signals(int(every[0])).name
             where = f"; checkpoint saved in {self.saved} (resume with --resume)" if self.saved is not None else ""
@@ -437,8 +463,7 @@ class Supervisor:
     def after_step(self, step: int) -> None:
         """At the boundary after `step` steps (flush schedules; the guard agreed at their STEP):
         checkpoint if due, stop if agreed."""
-        from pipeflow import checkpoint
-
+        self.done = step
         if not self.engine.flush:
             return
         g = self.guard
@@ -448,16 +473,27 @@ class Supervisor:
         if g.lagged and (step == self.args.steps or (self.args.checkpoint_dir and due)):
             g.flush_pending()  # a checkpoint (or the end) must know this step's flags: all ranks call this
         if self.args.checkpoint_dir and due and g.exit_code != EXIT_NONFINITE and step != self.saved_step:
-            self.saved = checkpoint.save(self.engine, self.args.checkpoint_dir, step, self.comm, self.run_info)
-            self.saved_step = step
-            if self.comm.Get_rank() == 0:
-                log.info("checkpoint %s", self.saved)
+            self._checkpoint(step)
         if g.stop_reason is not None:
             where = ""
             if self.saved is not None and self.saved_step == step and g.exit_code != EXIT_NONFINITE:
                 where = f"; checkpoint saved in {self.saved} (resume with --resume)"
             raise StopTraining(g.stop_reason + where, g.exit_code)
 
+    def _checkpoint(self, step: int) -> None:
+        """Collective save; a failed one (disk full, directory gone) ends the run on every rank with its one line."""
+        from pipeflow import checkpoint
+
+        try:
+            self.saved = checkpoint.save(self.engine, self.args.checkpoint_dir, step, self.comm, self.run_info)
+        except checkpoint.CheckpointError as e:
+            raise AgreedError(str(e)) from None
+        self.saved_step = step
+        if self.comm.Get_rank() == 0:
+            log.info("checkpoint %s", self.saved)
+
     def close(self) -> None:
         self.signals.restore()
+        if self.immediate is not None:
+            self.immediate.restore()
         self.engine.step_guard = None

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TextIO
 
 import torch
@@ -219,11 +220,15 @@ class Board:
     """The one TensorBoard writer, on the rank that owns the loss. Run-wide scalars go to DIR and each stage's
     to the run DIR/stageS under the same tags, so TensorBoard draws one chart per metric, a line per stage."""
 
-    def __init__(self, logdir: str, num_stages: int, *, text: str = "") -> None:
+    def __init__(self, logdir: str, num_stages: int, *, text: str = "", first_step: int = 0) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.main = SummaryWriter(logdir, flush_secs=30)
-        self.stages = [SummaryWriter(os.path.join(logdir, f"stage{s}"), flush_secs=30) for s in range(num_stages)]
+        # A resumed run adds event files beside the first run's; purge_step hides what the first run logged
+        # after the checkpoint it resumes from (those steps are trained again).
+        purge = first_step + 1 if first_step else None
+        self.main = SummaryWriter(logdir, flush_secs=30, purge_step=purge)
+        self.stages = [SummaryWriter(os.path.join(logdir, f"stage{s}"), flush_secs=30, purge_step=purge)
+                       for s in range(num_stages)]
         if text:
             self.main.add_text("config", text, 0)
 
@@ -271,11 +276,16 @@ class Monitor:
         self.samples_per_step, self.tokens_per_sample = samples_per_step, tokens_per_sample
         owner = self.rank == self.owner
         self.progress = Progress(total_steps, samples_per_step, tokens_per_sample) if owner else None
-        self.board = Board(tensorboard, len(plan.stages), text=describe(plan, config or {})) \
-            if tensorboard and owner else None
+        self.config = config or {}
+        self.board: Board | None = None  # made in start(), which knows whether the run resumed
+        self.first_step = 0
 
     def start(self, first_step: int = 0) -> None:
         """Line up the ranks' clocks for the trace, then start step `first_step` together (a barrier)."""
+        self.first_step = first_step
+        if self.tensorboard and self.rank == self.owner:
+            self.board = Board(self.tensorboard, len(self.plan.stages), text=describe(self.plan, self.config),
+                               first_step=first_step)
         offset = clock_offset(self.comm) if self.trace_path else 0.0
         self.comm.Barrier()
         if isinstance(self.timer, SpanTimer):
@@ -344,11 +354,53 @@ class Monitor:
             mine = [Span(s.kind, s.mb, s.step, s.start + shift, s.end + shift) for s in self.trace_spans]
             ranks = self.comm.gather((self.rank, self.stage, mine), root=0)
             if self.rank == 0:
-                title = f"pipeflow {self.plan.schedule}, {self.plan.microbatches} microbatches"
-                with open(self.trace_path, "w") as f:
-                    json.dump(chrome_trace(ranks, title=title), f)
-                log.info("trace of %d ranks written to %s (open it in https://ui.perfetto.dev)", len(ranks),
-                         self.trace_path)
+                self._write_trace(ranks)
         if self.board is not None:
             self.board.close()
         self.comm.Free()
+
+    def _write_trace(self, ranks: list[tuple[int, int, list[Span]]]) -> None:
+        """Rank 0: the trace file; a resumed run appends to the first run's (append_trace). A write that fails
+        after the set-up check passed (the directory vanished, the disk filled) is one error line, not a traceback."""
+        from pipeflow.checkpoint import atomic_write, reason
+
+        title = f"pipeflow {self.plan.schedule}, {self.plan.microbatches} microbatches"
+        if self.first_step:
+            title += f", resumed at step {self.first_step}"
+        trace = chrome_trace(ranks, title=title)
+        if self.first_step:
+            trace = append_trace(self.trace_path or "", trace, self.first_step)
+        try:
+            atomic_write(Path(self.trace_path or ""), lambda f: f.write(json.dumps(trace).encode()))
+        except OSError as e:
+            log.error("cannot write the trace to %s: %s", self.trace_path, reason(e))
+            return
+        log.info("trace of %d ranks written to %s (open it in https://ui.perfetto.dev)", len(ranks), self.trace_path)
+
+
+def append_trace(path: str, new: dict[str, Any], first_step: int) -> dict[str, Any]:
+    """The trace at `path` (a run this one resumed) followed by `new`: the first run's spans of steps before
+    `first_step` (later ones are trained again), then this run's as another process (pid) shifted to start
+    after them. A missing or foreign file gives `new` alone."""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+        events = old["traceEvents"]
+        if not isinstance(events, list) or not all(isinstance(ev, dict) for ev in events):
+            raise TypeError("traceEvents is not a list of objects")
+    except FileNotFoundError:
+        return new
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("--trace %s: not a trace this run can append to (%s); writing this run's alone", path, e)
+        return new
+    kept = [e for e in events if e.get("ph") != "X" or e.get("args", {}).get("step", 0) < first_step]
+    end = max((e["ts"] + e.get("dur", 0) for e in kept if e.get("ph") == "X"), default=0.0)
+    pid = 1 + max((e.get("pid", 0) for e in kept), default=0)
+    shift = end + 1000.0  # µs: a visible gap between the runs
+    out = []
+    for ev in new["traceEvents"]:
+        ev = {**ev, "pid": pid}
+        if "ts" in ev:
+            ev["ts"] = round(ev["ts"] + shift, 3)
+        out.append(ev)
+    return {**new, "traceEvents": kept + out}

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +33,12 @@ class ModelSpec:
                 raise TypeError(f"ModelSpec.layers[{i}] is {type(layer).__name__}, expected an nn.Module")
 
 
+def model_dtype(module: nn.Module) -> torch.dtype | None:
+    """The dtype of the first floating-point parameter: what a model built without --dtype computes in
+    (docs/reproducibility.md); None when it has none."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+
+
 BUILTIN_MODELS = {
     "gpt": "pipeflow.models.gpt:build",
     "mlp": "pipeflow.models.mlp:build",
@@ -54,20 +62,40 @@ def parse_model_args(text: str | None) -> dict[str, Any]:
 
 
 def resolve_builder(model: str) -> Callable[..., ModelSpec]:
-    """`gpt` / `mlp` or `package.module:function`."""
+    """`gpt` / `mlp` or `package.module:function`.
+
+    Importing the module and calling the function runs its code, as torch.load without weights_only
+    does: that is what a `module:function` interface means. What is refused is what cannot be a model
+    builder and is the classic way to run a command: anything but a Python function (`def`): builtins
+    such as os:system, classes, callable objects; and any function of Python's standard library
+    (os:popen, subprocess:run, shutil:rmtree), also when another module re-exports it.
+    """
     target = BUILTIN_MODELS.get(model, model)
     if ":" not in target:
         raise ModelError(
             f"unknown model {model!r}: expected one of {sorted(BUILTIN_MODELS)} or 'package.module:function'")
     module_name, _, attr = target.partition(":")
+    if _stdlib(module_name):  # refused before importing it
+        raise ModelError(f"--model {model!r} names Python's standard library, which has no model builder: "
+                         "expected 'package.module:function' of your own code returning a pipeflow.ModelSpec")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ModelError(f"cannot import model module {module_name!r} for --model {model!r}: {e}") from None
     fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ModelError(f"module {module_name!r} has no callable {attr!r} (from --model {model!r})")
+    if fn is None:
+        raise ModelError(f"module {module_name!r} has no {attr!r} (from --model {model!r})")
+    if not inspect.isfunction(fn) or _stdlib(fn.__module__):
+        what = (f"a function of Python's standard library ({fn.__module__})" if inspect.isfunction(fn)
+                else "a class" if inspect.isclass(fn) else f"a {type(fn).__name__}, not a Python function")
+        raise ModelError(f"--model {model!r} is {what}: expected a Python function (def) of your own code that "
+                         "returns a pipeflow.ModelSpec")
     return fn
+
+
+def _stdlib(module: str | None) -> bool:
+    top = (module or "").split(".")[0]
+    return top in sys.stdlib_module_names or top in sys.builtin_module_names
 
 
 def build_model(model: str, model_args: dict[str, Any] | None = None, *, seed: int = 0) -> ModelSpec:

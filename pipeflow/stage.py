@@ -1,4 +1,16 @@
-"""One stage's layers: forward and backward per microbatch, keeping what backward needs in between."""
+"""One stage's layers: forward and backward per microbatch, keeping what backward needs in between.
+
+Randomness inside layers (dropout) follows docs/reproducibility.md: before global layer i runs on
+global microbatch t, the default generators of the stage's device (and the CPU one) are seeded with
+``layer_seed(seed, t, i)``, so what a layer draws depends on (seed, t, i) alone, never on the plan, the
+replica or the rank. The seed is a splitmix64 chain (Steele et al., OOPSLA'14)::
+
+    h = mix(seed mod 2**64); h = mix(h ^ t); h = mix(h ^ i); seed_of_layer = h >> 1   (63 bits)
+
+Seeding a generator only sets host-side state (CUDA's Philox seed and offset), so it adds no device
+synchronisation. Nothing is restored afterwards: after set-up nothing else in a training process draws
+from the default generators (the data order has its own generator).
+"""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -9,6 +21,24 @@ import torch
 from torch import nn
 
 from pipeflow.comm import flatten
+from pipeflow.spec import model_dtype
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """One splitmix64 step: a bijection of 64-bit integers that scatters nearby inputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def layer_seed(seed: int, microbatch: int, layer: int) -> int:
+    """The 63-bit seed of global layer `layer` on global microbatch `microbatch` (module docstring)."""
+    h = _splitmix64(seed & _MASK64)
+    h = _splitmix64(h ^ (microbatch & _MASK64))
+    return _splitmix64(h ^ (layer & _MASK64)) >> 1
 
 
 def to_device(x: Any, device: torch.device) -> Any:
@@ -29,34 +59,45 @@ class _Saved:
 
 
 class Stage:
-    """Layers [start, end) of the model as one nn.Sequential (its state_dict keys are local indices)."""
+    """Layers [start, end) of the model as one nn.Sequential (its state_dict keys are local indices).
+
+    `dtype` None keeps the layers' own dtype; the first stage then casts floating inputs to the dtype of
+    its parameters. `seed` is --seed: it seeds each layer's randomness per microbatch (module docstring)."""
 
     def __init__(self, layers: list[nn.Module], *, start: int, first: bool, last: bool,
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None, device: torch.device,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype | None = None, seed: int = 0) -> None:
         self.module = nn.Sequential(*layers).to(device=device, dtype=dtype)
         self.start = start
         self.first, self.last = first, last
         self.loss_fn = loss_fn
         self.device = device
-        self.dtype = dtype
+        self.dtype = dtype or model_dtype(self.module)  # None: no parameters, inputs kept as they come
+        self.seed = seed
+        self.generators = [torch.default_generator]
+        if device.type == "cuda":  # dropout on a CUDA tensor draws from that device's generator
+            torch.cuda.init()
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self.generators.append(torch.cuda.default_generators[index])
         self.saved: dict[int, _Saved] = {}
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
 
     def forward(self, mb: int, inputs: list[torch.Tensor] | Any, target: torch.Tensor | None = None,
-                *, loss_scale: float = 1.0) -> list[torch.Tensor]:
+                *, loss_scale: float = 1.0, global_mb: int | None = None) -> list[torch.Tensor]:
         """Run the layers on one microbatch. A received input list is unpacked back into a tuple when
-        the previous stage produced several tensors. On the last stage returns [loss] (detached, unscaled)."""
+        the previous stage produced several tensors. On the last stage returns [loss] (detached, unscaled).
+        `global_mb` is the microbatch's index in the data order (default `mb`): it seeds the layers."""
         if self.first:
             x = to_device(inputs, self.device)
-            x = _cast_floats(x, self.dtype)
+            if self.dtype is not None:
+                x = _cast_floats(x, self.dtype)
             leaves: list[torch.Tensor] = []
         else:
             leaves = [t for t in inputs if t.requires_grad]
             x = inputs[0] if len(inputs) == 1 else tuple(inputs)
-        out = self.module(x)
+        out = self.run_layers(mb if global_mb is None else global_mb, x)
         if self.last:
             if self.loss_fn is None or target is None:
                 raise RuntimeError("the last stage needs a loss function and a target")
@@ -66,6 +107,15 @@ class Stage:
         outs = flatten(out)
         self.saved[mb] = _Saved(leaves, [t for t in outs if t.requires_grad])
         return outs
+
+    def run_layers(self, t: int, x: Any) -> Any:
+        """The layers one by one, as nn.Sequential would, each after seeding for (seed, t, layer)."""
+        for k, layer in enumerate(self.module):
+            s = layer_seed(self.seed, t, self.start + k)
+            for g in self.generators:
+                g.manual_seed(s)
+            x = layer(x)
+        return x
 
     def backward(self, mb: int, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """Backward of one microbatch; returns the gradients of the inputs that required grad."""

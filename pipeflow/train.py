@@ -16,11 +16,13 @@ import os
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from partitioner.plan import Plan, PlanError
+from pipeflow import config
+from pipeflow.outputs import prepare_outputs
 from pipeflow.schedule import SCHEDULES, ScheduleError
 from pipeflow.spec import ModelError, ModelSpec, build_model, parse_model_args
 
@@ -30,13 +32,25 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 
 class UsageError(ValueError):
-    """A flag, file or world size that cannot work; reported on every rank, exit code 2."""
+    """A flag, file or world size that cannot work; reported once (rank 0) when all ranks agree, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line, written once: every rank parses the same argv before MPI starts, so only the process
+        that the launcher calls rank 0 (or one not started by a launcher) says it."""
+        rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMIX_RANK")
+        if rank in (None, "0"):
+            os.write(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n".encode())
+        sys.exit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pipeflow-train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="gpt", help="gpt, mlp or package.module:function (default gpt)")
+    p = _Parser(prog="pipeflow-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt",
+                   help="gpt, mlp or package.module:function (default gpt). The module is imported and the "
+                        "function called with --model-args on every rank: like torch.load without weights_only, "
+                        "this runs that code, so name only modules you trust")
     p.add_argument("--model-args", default=None, help="JSON object of builder keyword arguments")
     p.add_argument("--plan", default=None, help="plan.json from pipeflow-plan; default: plan on the spot")
     p.add_argument("--schedule", default=None, help=f"one of {', '.join(SCHEDULES)} (default: the plan's, or 1f1b)")
@@ -50,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--momentum", type=float, default=0.0)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="cast the model to this dtype (default: keep the dtype its builder gave it)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a rank waits for a peer before failing")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="write checkpoints to DIR/step-NNNNNN/ (a file per stage, then a COMPLETE marker)")
@@ -62,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "PATH, from the newest complete checkpoint in --checkpoint-dir (none yet: from step 0)")
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="skip steps whose loss or gradients are NaN/inf instead of stopping")
+    p.add_argument("--max-skips", type=int, default=10, metavar="N",
+                   help="with --skip-nonfinite: stop (exit 4) after N consecutive skipped steps (default 10; "
+                        "0: never)")
     p.add_argument("--save", default=None, help="write the trained model's state_dict here (rank 0)")
     p.add_argument("--log-every", type=int, default=0, help="steps between loss reports (default: steps/10)")
     p.add_argument("--tensorboard", default=None, metavar="DIR",
@@ -83,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
+    config.check_args(args, os.environ)
     for name in ("steps", "microbatch_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, found {getattr(args, name)}")
@@ -146,8 +165,8 @@ def plan_on_the_spot(args: argparse.Namespace, spec: ModelSpec, world_size: int,
                                      microbatches=args.microbatches or 8, topology=args.topology,
                                      memory_per_worker=args.memory_per_worker, straight=args.straight,
                                      optimizer=args.optimizer)
-            log.info("profiled %d layers on %s and planned for %d workers in %.1f s (no --plan given); "
-                     "predicted %s", len(spec.layers), device, world_size, time.perf_counter() - t0,
+            log.info("profiled %d layers on %s in %s and planned for %d workers in %.1f s (no --plan given); "
+                     "predicted %s", len(spec.layers), device, profile.dtype, world_size, time.perf_counter() - t0,
                      {k: v for k, v in plan.predicted.items() if k != "peak_memory_bytes"})
             result = ("plan", plan.to_json())
         except (ValueError, RuntimeError) as e:
@@ -188,7 +207,10 @@ def setup_logging(rank: int, size: int) -> None:
     """A handler once per process (basicConfig does nothing the second time); the level from
     $PIPEFLOW_LOG at every call, so that each run of main() in one process gets its own."""
     prefix = f"[rank {rank}] " if size > 1 else ""
-    level = os.environ.get("PIPEFLOW_LOG", "INFO")
+    try:
+        level = config.log_level(os.environ.get("PIPEFLOW_LOG"))
+    except config.ConfigError:
+        level = logging.INFO  # reported by check_args, once, with the other set-up errors
     logging.basicConfig(level=level, stream=sys.stderr, format=f"{prefix}%(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(level)
 
@@ -227,10 +249,11 @@ class ProcessState:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if os.environ.get("PIPEFLOW_STACK_DUMP_S"):  # debugging a hang: every thread's stack, then exit
+    dump = config.stack_dump_seconds(os.environ)  # a bad value is reported with the other set-up errors
+    if dump:  # debugging a hang: every thread's stack, then exit
         import faulthandler
 
-        faulthandler.dump_traceback_later(float(os.environ["PIPEFLOW_STACK_DUMP_S"]), exit=True)
+        faulthandler.dump_traceback_later(dump, exit=True)
     from mpi4py import MPI
 
     from pipeflow.failure import Watchdog, write_pid_file
@@ -245,6 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = _main(args, comm, watchdog)
         watchdog.stop(sync=True)  # _main returns on all ranks together: none beats at a finalised peer
+    except KeyboardInterrupt:  # SIGINT outside the training steps (which stop at a boundary): set-up, save
+        if comm.Get_rank() == 0:
+            from pipeflow.failure import say
+
+            say("pipeflow-train: stopped by SIGINT outside the training steps; nothing saved")
+        sys.stderr.flush()
+        os._exit(130)  # 128 + SIGINT; threads may be inside gloo: leave without unwinding them
     finally:
         watchdog.stop()
         atexit.unregister(watchdog.stop)
@@ -254,48 +284,68 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def report_setup_errors(errors: list[str | None], rank: int) -> None:
+    """One line per distinct error: rank 0 says an error every rank found; otherwise each rank with an
+    error says its own, prefixed with its rank (so that lines from different ranks never merge)."""
+    from pipeflow.failure import say
+
+    if all(e == errors[0] for e in errors):
+        if rank == 0:
+            say(f"pipeflow-train: error: {errors[0]}")
+    elif errors[rank]:
+        say(f"pipeflow-train: error: [rank {rank}] {errors[rank]}")
+
+
 def _main(args: argparse.Namespace, comm: Any, watchdog: Any) -> int:
-    from pipeflow.failure import EXIT_NONFINITE, AgreedError, NonFiniteError, StopTraining
+    from pipeflow.failure import EXIT_FAILED, EXIT_NONFINITE, AgreedError, NonFiniteError, StopTraining, say
 
     rank, size = comm.Get_rank(), comm.Get_size()
-    # Set-up errors are the same on every rank (same flags, files, model): each rank reports and exits;
-    # an error on some ranks only is shared through one MPI agreement so that none waits for the others.
+    # Set-up errors are mostly the same on every rank (same flags, files, model): one MPI agreement
+    # shares them, so that none waits for the others, and rank 0 reports an error they all found.
     error: str | None = None
     try:
         check_args(args)
+        prepare_outputs(args, rank)  # every output path writable; rank 0 locks --checkpoint-dir until it exits
         spec = build_model(args.model, parse_model_args(args.model_args), seed=args.seed)
         plan = make_plan(args, spec, size, rank, comm)
+        list_size = config.check_plan(plan, args, SCHEDULES)
     except (UsageError, PlanError, ModelError, ScheduleError, ValueError) as e:
         error = str(e)
     errors = comm.allgather(error)
     if any(errors):
-        first = next(r for r, e in enumerate(errors) if e)
-        msg = error or f"rank {first} failed to start: {errors[first]}"
-        print(f"pipeflow-train: error: [rank {rank}] {msg}", file=sys.stderr, flush=True)
+        report_setup_errors(errors, rank)
         return 2
+    if rank == 0 and list_size > config.SLOW_SCHEDULE_MICROBATCHES:
+        log.info("building the %s action lists of %d microbatches on every rank (up to minutes for 10^6)",
+                 plan.schedule, list_size)
     try:
         return run(args, spec, plan, comm)
     except StopTraining as e:  # every rank stopped at the same step boundary
         if rank == 0:
-            print(f"pipeflow-train: {e}", file=sys.stderr, flush=True)
+            say(f"pipeflow-train: {e}")
         return e.code
     except AgreedError as e:
-        print(f"pipeflow-train: error: [rank {rank}] {e}", file=sys.stderr, flush=True)
+        if rank == 0:
+            say(f"pipeflow-train: error: {e}")
         return 2
     except NonFiniteError as e:  # asynchronous schedules: no common boundary to stop at together
-        print(f"pipeflow-train: error: [rank {rank}] {e}", file=sys.stderr, flush=True)
+        say(f"pipeflow-train: error: [rank {rank}] {e}")
         comm.Abort(EXIT_NONFINITE)
         return EXIT_NONFINITE
     except (UsageError, PlanError, ScheduleError) as e:
-        print(f"pipeflow-train: error: [rank {rank}] {e}", file=sys.stderr, flush=True)
+        say(f"pipeflow-train: error: [rank {rank}] {e}")
         comm.Abort(2)
         return 2
-    except Exception:
-        traceback.print_exc()
+    except Exception as e:
         silent = watchdog.suspects()  # a transfer failed: was it a dead or stopped peer?
-        cause = f": rank {', '.join(map(str, silent))} stopped responding (no heartbeat)" if silent else ""
-        print(f"pipeflow-train: rank {rank} failed (traceback above){cause}; stopping all ranks", file=sys.stderr,
-              flush=True)
+        if silent:  # the peer's failure is the news; this rank's traceback would only bury it
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            say(f"pipeflow-train: error: [rank {rank}] rank {', '.join(map(str, silent))} stopped responding "
+                f"(no heartbeat; here: {first}). Stopping all ranks.")
+            comm.Abort(EXIT_FAILED)
+            return EXIT_FAILED
+        traceback.print_exc()
+        say(f"pipeflow-train: rank {rank} failed (traceback above); stopping all ranks")
         comm.Abort(1)
         return 1
 
@@ -323,11 +373,15 @@ def run(args: argparse.Namespace, spec: ModelSpec, plan: Plan, comm: Any) -> int
                       config=vars(args))
     engine = Engine(world, plan, spec, schedule=plan.schedule, optimizer_factory=make_optimizer(args),
                     warmup=resolve_warmup(args.warmup, plan),
-                    loader=loader, dtype=DTYPES[args.dtype], total_steps=args.steps, timer=monitor.timer,
-                    vertical_sync=args.vertical_sync,
+                    loader=loader, dtype=DTYPES[args.dtype] if args.dtype else None, total_steps=args.steps,
+                    timer=monitor.timer, vertical_sync=args.vertical_sync, seed=args.seed,
                     segment_steps=(min(args.checkpoint_every, args.steps) or None) if args.checkpoint_dir else None)
+    info = run_info(args, spec, plan)
+    # This rank keeps only its own stage's layers (engine.stage): drop the model-wide list so that the
+    # other stages' layers are freed (issue 10, item 3).
+    spec.layers = []
     # Resume, checkpoints, signals and non-finite checks at step boundaries (failure.py, checkpoint.py).
-    supervisor = Supervisor(args, engine, comm, run_info(args, spec, plan))
+    supervisor = Supervisor(args, engine, comm, info)
     start = supervisor.start()
     every = args.log_every or max(1, args.steps // 10)
     last_reported = start
@@ -371,25 +425,32 @@ def run(args: argparse.Namespace, spec: ModelSpec, plan: Plan, comm: Any) -> int
         peaks = comm.gather(torch.cuda.max_memory_allocated(world.device), root=0)
         if world.rank == 0:
             log.info("peak GPU memory per rank (GiB): %s", [round(p / 2**30, 2) for p in peaks])
-    if args.save:
-        save_model(engine, args.save, comm)
+    save_error = save_model(engine, args.save, comm, args.checkpoint_dir) if args.save else None
     comm.Barrier()
     if torch.distributed.is_initialized():
         # NCCL may hang at interpreter exit when its process group is left for the destructor.
         torch.distributed.destroy_process_group()
+    if save_error:
+        from pipeflow.failure import AgreedError
+
+        raise AgreedError(save_error)
     return 0
 
 
-def save_model(engine: Any, path: str, comm: Any) -> None:
-    """One state_dict with nn.Sequential(*spec.layers)'s keys, gathered on rank 0 from each stage's replica 0."""
+def save_model(engine: Any, path: str, comm: Any, checkpoint_dir: str | None = None) -> str | None:
+    """One state_dict with nn.Sequential(*spec.layers)'s keys, gathered on rank 0 from each stage's replica 0.
+    Collective; returns None, or on every rank the line saying that --save failed and where the weights went."""
+    from pipeflow.outputs import write_model
+
     mine = (engine.stage.start, engine.state_dict()) if engine.r == 0 else None
     parts = comm.gather(mine, root=0)
+    error = None
     if comm.Get_rank() == 0:
         full: dict[str, torch.Tensor] = {}
         for _, part in sorted((p for p in parts if p is not None), key=lambda p: p[0]):
             full.update(part)
-        torch.save(full, path)
-        log.info("saved %d tensors to %s", len(full), path)
+        error = write_model(full, path, checkpoint_dir)
+    return comm.bcast(error, root=0)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,28 @@ def make_optimizer(name: str, params: Any, lr: float, momentum: float = 0.0) -> 
     return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(params, lr=lr)
 
 
+def seed_of(seed: int, t: int, i: int) -> int:
+    """docs/reproducibility.md, written here apart from pipeflow: the seed of layer i on microbatch t
+    is a splitmix64 chain over (seed, t, i), as a 63-bit number."""
+    word = 2**64
+
+    def mix(z: int) -> int:
+        z = (z + 0x9E3779B97F4A7C15) % word
+        for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+            z = ((z ^ (z >> shift)) * mult) % word
+        return z ^ (z >> 31)
+
+    h = seed % word
+    for v in (None, t, i):
+        h = mix(h if v is None else h ^ (v % word))
+    return h // 2
+
+
 def reference_flush(model: str, model_args: dict[str, Any], *, steps: int, microbatches: int,
                     microbatch_size: int, optimizer: str = "sgd", lr: float = 0.05, momentum: float = 0.0,
                     seed: int = 0, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
-    """gpipe / 1f1b semantics: per step, the mean of m microbatch losses, one optimizer step."""
+    """gpipe / 1f1b semantics: per step, the mean of m microbatch losses, one optimizer step. Layer i runs
+    on global microbatch t after torch.manual_seed(seed_of(seed, t, i)) (dropout; Reproducibility)."""
     spec = build_model(model, model_args, seed=seed)
     net = nn.Sequential(*spec.layers).to(dtype)
     opt = make_optimizer(optimizer, net.parameters(), lr, momentum)
@@ -30,9 +48,13 @@ def reference_flush(model: str, model_args: dict[str, Any], *, steps: int, micro
     for k in range(steps):
         opt.zero_grad()
         for i in range(microbatches):
-            x, y = loader.microbatch(k * microbatches + i)
-            x = x.to(dtype) if x.is_floating_point() else x
-            (spec.loss_fn(net(x), y) / microbatches).backward()
+            t = k * microbatches + i
+            x, y = loader.microbatch(t)
+            h = x.to(dtype) if x.is_floating_point() else x
+            for layer_index, layer in enumerate(net):
+                torch.manual_seed(seed_of(seed, t, layer_index))
+                h = layer(h)
+            (spec.loss_fn(h, y) / microbatches).backward()
         opt.step()
     return {k: v.detach() for k, v in net.state_dict().items()}
 

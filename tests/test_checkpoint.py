@@ -163,7 +163,7 @@ def resume_same_plan(d: Path) -> list[Case]:
 @batched(resume_same_plan)
 def test_resume_is_exact(mpi: MpiRun):
     stopped = mpi.dir / "ck"
-    assert sorted(p.name for p in stopped.iterdir()) == ["step-000005", "step-000007"]
+    assert sorted(p.name for p in stopped.iterdir()) == ["pipeflow.lock", "step-000005", "step-000007"]
     assert sorted(p.name for p in (stopped / "step-000005").iterdir()) == [
         "COMPLETE", "stage-000.pt", "stage-001.pt"]
     got = torch.load(mpi.dir / "resumed.pt", weights_only=True)

@@ -43,7 +43,7 @@ def start(tmp_path: Path, np_: int, args: list[str]) -> tuple[subprocess.Popen[s
     proc = subprocess.Popen([str(MPIRUN), "-np", str(np_), sys.executable, "-m", "pipeflow.train", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.monotonic() + 90
-    while len(list(pids.iterdir())) < np_ or not (tmp_path / "ck").exists():
+    while len(list(pids.iterdir())) < np_ or not any((tmp_path / "ck").glob("step-*")):
         assert proc.poll() is None, proc.communicate()[0]
         assert time.monotonic() < deadline, "the ranks did not start training"
         time.sleep(0.2)
@@ -66,7 +66,7 @@ def finish(proc: subprocess.Popen[str], pids: dict[int, int], limit: float) -> t
 
 
 def training_args(tmp_path: Path) -> list[str]:
-    # A checkpoint every step: the ck directory appearing tells that training is under way.
+    # A checkpoint every step: the first step directory appearing tells that training is under way.
     return [*LONG, "--timeout", str(TIMEOUT), "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1"]
 
 

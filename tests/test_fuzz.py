@@ -177,7 +177,7 @@ def test_bad_setups_stop_every_rank_with_a_message(tmp_path):
         finally:
             proc.kill()
         assert proc.returncode == 2, err
-        for rank in (0, 1):
-            assert f"pipeflow-train: error: [rank {rank}]" in err and want in err, err
+        lines = [line for line in err.splitlines() if line.startswith("pipeflow-train: error: ")]
+        assert len(lines) == 1 and want in lines[0], err  # every rank agrees: rank 0 says it once
         assert "Traceback" not in err, err
     assert time.monotonic() - t0 < 90  # all eight together, on a loaded 2-core machine

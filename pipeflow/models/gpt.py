@@ -1,4 +1,4 @@
-"""A GPT as a layer list: embedding, transformer blocks, head (nanoGPT's shape, no dropout)."""
+"""A GPT as a layer list: embedding, transformer blocks, head (nanoGPT's shape; dropout off by default)."""
 from __future__ import annotations
 
 import torch
@@ -10,24 +10,27 @@ from pipeflow.spec import ModelSpec
 
 
 class Embedding(nn.Module):
-    def __init__(self, vocab: int, d_model: int, seq_len: int) -> None:
+    def __init__(self, vocab: int, d_model: int, seq_len: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
         nn.init.normal_(self.tok.weight, std=0.02)
         nn.init.normal_(self.pos.weight, std=0.02)
+        self.drop = nn.Dropout(dropout)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
-        return self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        return self.drop(self.tok(idx) + self.pos(torch.arange(t, device=idx.device)))
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, heads: int) -> None:
+    def __init__(self, d_model: int, heads: int, dropout: float = 0.0) -> None:
         super().__init__()
         if d_model % heads:
             raise ValueError(f"d_model {d_model} must be divisible by heads {heads}")
         self.heads = heads
+        self.dropout = dropout  # nanoGPT's places: attention weights and both residual branches
+        self.drop = nn.Dropout(dropout)
         self.ln1 = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
@@ -39,9 +42,10 @@ class Block(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
 
 
 class Head(nn.Module):
@@ -59,11 +63,14 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def build(layers: int = 4, d_model: int = 128, heads: int = 4, seq_len: int = 64, vocab: int = 256,
-          dataset: str = "stdlib", dataset_size: int = 4096) -> ModelSpec:
+          dataset: str = "stdlib", dataset_size: int = 4096, dropout: float = 0.0) -> ModelSpec:
     """`layers` transformer blocks, so len(spec.layers) == layers + 2. The stdlib dataset is byte-level
-    (tokens < 256 <= vocab); `dataset="synthetic"` draws random tokens below `vocab`."""
+    (tokens < 256 <= vocab); `dataset="synthetic"` draws random tokens below `vocab`. `dropout` (nanoGPT's
+    places) draws per (seed, microbatch, layer) under pipeflow-train (docs/reproducibility.md)."""
     if layers < 1:
         raise ValueError(f"gpt needs layers >= 1, found {layers}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"gpt needs 0 <= dropout < 1, found {dropout}")
     if dataset == "stdlib":
         if vocab < 256:
             raise ValueError(f"the stdlib byte dataset needs vocab >= 256, found {vocab}")
@@ -72,7 +79,7 @@ def build(layers: int = 4, d_model: int = 128, heads: int = 4, seq_len: int = 64
         data = SyntheticTokens(seq_len, vocab, size=dataset_size)
     else:
         raise ValueError(f"unknown gpt dataset {dataset!r}: expected 'stdlib' or 'synthetic'")
-    mods: list[nn.Module] = [Embedding(vocab, d_model, seq_len)]
-    mods += [Block(d_model, heads) for _ in range(layers)]
+    mods: list[nn.Module] = [Embedding(vocab, d_model, seq_len, dropout)]
+    mods += [Block(d_model, heads, dropout) for _ in range(layers)]
     mods.append(Head(d_model, vocab))
     return ModelSpec(layers=mods, loss_fn=lm_loss, dataset=data, tokens_per_sample=seq_len)

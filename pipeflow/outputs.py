@@ -1,0 +1,176 @@
+"""Output paths: checked before training starts, the --checkpoint-dir lock, and a final save that cannot lose
+the trained weights.
+
+Every path a run writes (--save, --trace, --tensorboard, --checkpoint-dir) is tried at set-up by creating and
+removing a file where it will be written, so a read-only filesystem, /proc or a missing directory is one line
+and exit 2 before the model is built, not a traceback after hours of training.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = "pipeflow.lock"  # in --checkpoint-dir; rank 0 holds an fcntl lock on it for the whole run
+
+
+class OutputError(ValueError):
+    """An output path that cannot be written; a set-up error (exit 2)."""
+
+
+def _nearest_existing(p: Path) -> Path:
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _probe(d: Path) -> str | None:
+    """Why no file can be created in directory `d` (strerror), or None when one can. Trying is the only exact
+    test: os.access says yes to root on a read-only bind mount's directories, and /proc refuses creation."""
+    probe = d / f".pipeflow-probe-{socket.gethostname()}-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        return e.strerror or str(e)
+    os.close(fd)
+    try:
+        probe.unlink()
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def _through_link(path: str) -> Path:
+    """Where writing `path` lands: a symlink is written through (as torch.save(path) does), not replaced."""
+    return Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
+
+
+def check_file(flag: str, path: str) -> None:
+    """A file written at the end (--save, --trace): its directory exists and takes new files."""
+    p = _through_link(path)
+    if p.is_dir():
+        example = "trace.json" if flag == "--trace" else "model.pt"
+        raise OutputError(f"{flag} {path}: is a directory; expected a file name in it (e.g. {p / example})")
+    parent = p.parent
+    if not parent.is_dir():
+        near = _nearest_existing(parent)
+        if near.exists() and not near.is_dir():
+            raise OutputError(f"{flag} {path}: {near} is a file, not a directory")
+        raise OutputError(f"{flag} {path}: directory {parent} does not exist; create it first")
+    why = _probe(parent)
+    if why:
+        raise OutputError(f"{flag} {path}: cannot create files in {parent}: {why}")
+
+
+def check_dir(flag: str, path: str) -> None:
+    """A directory written during the run (--tensorboard, --checkpoint-dir), created if missing: it, or the
+    nearest directory above it that exists, takes new files."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise OutputError(f"{flag} {path}: is a file; expected a directory")
+    near = _nearest_existing(p)
+    if not near.is_dir():
+        raise OutputError(f"{flag} {path}: {near} is a file, not a directory")
+    why = _probe(near)
+    if why:
+        raise OutputError(f"{flag} {path}: cannot create files in {near}: {why}")
+
+
+def check_outputs(args: Any) -> None:
+    """Every output path of a pipeflow-train run; raises OutputError naming the flag, the path and the reason."""
+    for flag, path in (("--save", args.save), ("--trace", args.trace)):
+        if path:
+            check_file(flag, path)
+    for flag, path in (("--tensorboard", args.tensorboard), ("--checkpoint-dir", args.checkpoint_dir)):
+        if path:
+            check_dir(flag, path)
+
+
+class CheckpointLock:
+    """An exclusive fcntl lock on DIR/pipeflow.lock, holding the holder's host and pid: two trainings that
+    write the same step directories would overwrite each other's checkpoints. The kernel drops the lock when
+    the process ends, however it ends, so a lock file left behind never blocks anyone."""
+
+    def __init__(self, directory: str) -> None:
+        d = Path(directory)
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            self.path = d / LOCK_NAME
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise OutputError(f"--checkpoint-dir {directory}: cannot create {LOCK_NAME} in it: {e.strerror}") from None
+        try:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EAGAIN):  # e.g. ENOLCK: an NFS mount without lock daemon
+                log.warning("--checkpoint-dir %s: cannot lock %s (%s); a second training on this directory would "
+                            "not be refused", directory, self.path, e.strerror)
+                return
+            os.close(self.fd)
+            raise OutputError(f"--checkpoint-dir {directory} is in use by another training ({holder(self.path)}; "
+                              f"lock file {self.path}): wait for it to end, or pass another --checkpoint-dir") from None
+        info = {"host": socket.gethostname(), "pid": os.getpid(),
+                "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, (json.dumps(info) + "\n").encode(), 0)
+        os.fsync(self.fd)
+
+    def release(self) -> None:
+        os.close(self.fd)
+
+
+def holder(path: Path) -> str:
+    """'host H, pid P, since T' from a lock file; the holder may be between locking and writing: wait a moment."""
+    for _ in range(20):
+        try:
+            info = json.loads(path.read_text())
+            return f"host {info['host']}, pid {info['pid']}, since {info['since']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            time.sleep(0.1)
+    return "holder unknown: the lock file does not say"
+
+
+def prepare_outputs(args: Any, rank: int) -> CheckpointLock | None:
+    """Set-up: check every output path; rank 0 locks --checkpoint-dir (kept until the process exits)."""
+    check_outputs(args)
+    if args.checkpoint_dir and rank == 0:
+        return CheckpointLock(args.checkpoint_dir)
+    return None
+
+
+def write_model(state: dict[str, Any], path: str, checkpoint_dir: str | None) -> str | None:
+    """torch.save `state` to `path` atomically; if that fails (the directory vanished, the disk filled), write
+    it next to the checkpoints, else in the working directory, else in the temporary directory. Returns None,
+    or the one line that says what failed and where the weights are."""
+    from pipeflow.checkpoint import reason, write_torch
+
+    try:
+        write_torch(_through_link(path), state)
+        log.info("saved %d tensors to %s", len(state), path)
+        return None
+    except (OSError, RuntimeError) as e:
+        why = reason(e)
+    p = Path(path)
+    name = f"{p.stem}-rescued-{os.getpid()}{p.suffix or '.pt'}"  # never overwrites a file of the user's
+    places = [Path(checkpoint_dir)] if checkpoint_dir else []
+    places += [Path.cwd(), Path(tempfile.gettempdir())]
+    tried = []
+    for place in places:
+        target = place / name
+        try:
+            write_torch(target, state)
+        except (OSError, RuntimeError) as e:
+            tried.append(f"{target}: {reason(e)}")
+            continue
+        return f"--save {path} failed ({why}); the trained weights were written to {target} instead"
+    return f"--save {path} failed ({why}) and so did every fallback ({'; '.join(tried)}): the trained weights are lost"
+

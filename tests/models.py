@@ -1,0 +1,104 @@
+"""Small test-only models for `--model tests.models:NAME` (dropout, BatchNorm, a float64 build)."""
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from pipeflow.spec import ModelSpec
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+class DropLayer(nn.Module):
+    """tanh(fc(h)) then dropout, on all columns but the last, which carries the sample id through.
+
+    `probe`: first draw one number from the default generator and print it with the layer index and the
+    microbatch's first sample id, so a test can check what each (microbatch, layer) drew."""
+
+    def __init__(self, index: int, d_in: int, d_out: int, p: float, probe: bool) -> None:
+        super().__init__()
+        self.index, self.probe = index, probe
+        self.fc = nn.Linear(d_in, d_out)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, ids = x[:, :-1], x[:, -1:]
+        if self.probe:
+            r = torch.rand((), dtype=torch.float64)
+            sys.stderr.write(f"probe layer={self.index} sample={int(ids[0, 0])} draw={float(r)!r}\n")
+        return torch.cat([self.drop(torch.tanh(self.fc(h))), ids.detach()], dim=1)
+
+
+class Head(nn.Module):
+    def __init__(self, d_in: int, classes: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_in, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x[:, :-1])
+
+
+def _data(samples: int, d_in: int, classes: int) -> TensorDataset:
+    """Features from a fixed generator, then the sample's index as the last column; a teacher's labels."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(samples, d_in, generator=g)
+    y = (x @ torch.randn(d_in, classes, generator=g)).argmax(dim=1)
+    return TensorDataset(torch.cat([x, torch.arange(samples, dtype=x.dtype)[:, None]], dim=1), y)
+
+
+def dropout_mlp(layers: int = 4, d_in: int = 6, hidden: int = 8, classes: int = 3, p: float = 0.3,
+                samples: int = 256, probe: bool = False, dtype: str = "float32") -> ModelSpec:
+    """`layers - 1` DropLayers (dropout in each) and a linear head; `dtype` is the dtype it is built in."""
+    mods: list[nn.Module] = [DropLayer(0, d_in, hidden, p, probe)]
+    mods += [DropLayer(i, hidden, hidden, p, probe) for i in range(1, layers - 1)]
+    mods.append(Head(hidden, classes))
+    for m in mods:
+        m.to(DTYPES[dtype])
+    return ModelSpec(layers=mods, loss_fn=F.cross_entropy, dataset=_data(samples, d_in, classes))
+
+
+# weakrefs to every layer built with report_alive, and the last alive set a forward reported.
+_BUILT: list[weakref.ref[nn.Module]] = []
+_LAST: list[list[int]] = [[]]
+
+
+class NormLayer(nn.Module):
+    """fc, BatchNorm1d, relu, dropout. `report_alive`: each forward collects garbage and prints (when it
+    changed) which layers of the model are still alive in this process."""
+
+    def __init__(self, d_in: int, d_out: int, p: float, report_alive: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_in, d_out)
+        self.bn = nn.BatchNorm1d(d_out)
+        self.drop = nn.Dropout(p)
+        self.report_alive = report_alive
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.report_alive:
+            gc.collect()
+            alive = [i for i, r in enumerate(_BUILT) if r() is not None]
+            if alive != _LAST[0]:
+                _LAST[0] = alive
+                rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1"))
+                sys.stderr.write(f"rank={rank} alive layers={alive}\n")
+        return self.drop(torch.relu(self.bn(self.fc(x))))
+
+
+def batchnorm_mlp(layers: int = 4, d_in: int = 6, hidden: int = 8, classes: int = 3, p: float = 0.2,
+                  samples: int = 256, report_alive: bool = False) -> ModelSpec:
+    """`layers - 1` NormLayers and a linear head (inputs without the id column)."""
+    mods: list[nn.Module] = [NormLayer(d_in, hidden, p, report_alive)]
+    mods += [NormLayer(hidden, hidden, p, report_alive) for _ in range(layers - 2)]
+    mods.append(nn.Linear(hidden, classes))
+    if report_alive:
+        _BUILT[:] = [weakref.ref(m) for m in mods]
+    data = _data(samples, d_in, classes)
+    x, y = data.tensors
+    return ModelSpec(layers=mods, loss_fn=F.cross_entropy, dataset=TensorDataset(x[:, :-1], y))

@@ -1,0 +1,229 @@
+"""Bad input to pipeflow-train: one line, exit 2, within seconds, before any process group is made
+(issue 11). Most cases call the validation directly; a few end-to-end runs check the wiring: the line is
+written once (rank 0) and whole, under PYTHONUNBUFFERED=1 as pipeflow-launch sets it."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from os import popen  # noqa: F401  (re-exported standard-library function: must be refused as a builder)
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from partitioner.plan import even_plan
+from pipeflow import config
+from pipeflow.models import mlp
+from pipeflow.schedule import SCHEDULES
+from pipeflow.spec import ModelError, ModelSpec, build_model, resolve_builder
+from pipeflow.train import build_parser, check_args
+from tests.conftest import MPIRUN, mpi_env, write_plan
+from tests.reference import reference_flush
+
+MLP = {"layers": 4, "hidden": 8, "d_in": 4, "samples": 64}
+BASE = ["--model", "mlp", "--model-args", json.dumps(MLP), "--device", "cpu", "--layers-per-stage", "even"]
+
+
+def nan_data_mlp(**kw: int) -> ModelSpec:
+    """The mlp on all-NaN inputs: every step is non-finite, the run never recovers."""
+    spec = mlp.build(**kw)
+    x, y = spec.dataset.tensors  # type: ignore[attr-defined]
+    spec.dataset = TensorDataset(torch.full_like(x, float("nan")), y)
+    return spec
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    (["--lr", "-1"], {}, "--lr must be a finite number >= 0, found -1.0"),
+    (["--lr", "nan"], {}, "--lr must be a finite number >= 0, found nan"),
+    (["--lr", "inf"], {}, "--lr must be a finite number >= 0, found inf"),
+    (["--optimizer", "sgd", "--momentum", "-1"], {}, "--momentum must be a finite number >= 0, found -1.0"),
+    (["--weight-decay", "-0.1"], {}, "--weight-decay must be a finite number >= 0, found -0.1"),
+    (["--weight-decay", "nan"], {}, "--weight-decay must be a finite number >= 0, found nan"),
+    (["--max-skips", "-1"], {}, "--max-skips must be >= 0 (0: never stop), found -1"),
+    (["--timeout", "inf"], {}, "--timeout must be a finite number of seconds > 0, found inf"),
+    (["--timeout", "nan"], {}, "--timeout must be a finite number of seconds > 0, found nan"),
+    (["--microbatches", "100000000"], {}, "--microbatches gives 100000000 microbatches in one schedule, more than "
+                                          "the 1000000 pipeflow can build"),
+    ([], {"PIPEFLOW_LOG": "verbose"}, "PIPEFLOW_LOG must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL (or a "
+                                      "number), found 'verbose'"),
+    ([], {"PIPEFLOW_P2P_MAX_CTAS": "x"}, "PIPEFLOW_P2P_MAX_CTAS must be an integer >= 0 (CTAs per NCCL "
+                                         "point-to-point channel; 0: NCCL's choice), found 'x'"),
+    ([], {"PIPEFLOW_P2P_MAX_CTAS": "-2"}, "PIPEFLOW_P2P_MAX_CTAS must be an integer >= 0"),
+    ([], {"PIPEFLOW_STACK_DUMP_S": "soon"}, "PIPEFLOW_STACK_DUMP_S must be a number of seconds > 0, found 'soon'"),
+])
+def test_bad_flags_and_environment_are_refused_in_one_line(monkeypatch, argv, env, message):
+    for name in ("PIPEFLOW_LOG", "PIPEFLOW_P2P_MAX_CTAS", "PIPEFLOW_STACK_DUMP_S"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = build_parser().parse_args([*BASE, *argv])
+    with pytest.raises(ValueError) as e:
+        check_args(args)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_good_values_pass(monkeypatch):
+    monkeypatch.setenv("PIPEFLOW_LOG", "debug")  # any case, as logging's own names
+    monkeypatch.setenv("PIPEFLOW_P2P_MAX_CTAS", "0")
+    check_args(build_parser().parse_args([*BASE, "--lr", "0", "--optimizer", "sgd", "--momentum", "0.9",
+                                          "--microbatches", "1000000"]))
+    assert config.log_level("debug") == 10 and config.log_level(None) == 20
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without a GPU")
+def test_device_cuda_without_a_gpu_is_a_usage_error():
+    with pytest.raises(config.ConfigError, match=r"^--device cuda needs a GPU, but torch.cuda.is_available\(\) is "
+                                                 r"False on this host"):
+        check_args(build_parser().parse_args([*BASE, "--device", "cuda"]))
+
+
+def test_plan_schedule_and_action_list_size_are_checked_at_setup():
+    args = build_parser().parse_args(BASE)
+    with pytest.raises(config.ConfigError, match=r"^the plan's schedule 'zb' is unknown: expected one of gpipe, "
+                                                 r"1f1b, async, 2bw \(edit the plan or pass --schedule\)$"):
+        config.check_plan(even_plan(4, 2, schedule="zb", microbatches=4), args, SCHEDULES)
+    # async runs all --steps as one list without --checkpoint-dir: 8 x 1000000 microbatches cannot be built...
+    args = build_parser().parse_args([*BASE, "--schedule", "async", "--steps", "1000000"])
+    with pytest.raises(config.ConfigError, match=r"^--schedule async with 8 microbatches x 1000000 steps per segment "
+                                                 r"gives 8000000 microbatches in one schedule.*--checkpoint-every K"):
+        config.check_plan(even_plan(4, 2, schedule="async", microbatches=8), args, SCHEDULES)
+    # ...in segments of 100 steps they can.
+    args = build_parser().parse_args([*BASE, "--schedule", "async", "--steps", "1000000", "--checkpoint-dir", "ck",
+                                      "--checkpoint-every", "100"])
+    assert config.check_plan(even_plan(4, 2, schedule="async", microbatches=8), args, SCHEDULES) == 800
+
+
+def test_parse_errors_are_one_line_written_once(tmp_path):
+    """argparse's own errors come before MPI: only the launcher's rank 0 says them, in one line."""
+    code = "import sys; from pipeflow.train import main; sys.exit(main(['--lr', 'fast']))"
+    outs = []
+    for rank in ("0", "1"):
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                           env={**mpi_env(), "PMI_RANK": rank})
+        assert p.returncode == 2
+        outs.append(p.stderr)
+    assert outs == ["pipeflow-train: error: argument --lr: invalid float value: 'fast' (see pipeflow-train --help)\n",
+                    ""]
+
+
+def test_builders_that_are_not_python_functions_of_user_code_are_refused(tmp_path):
+    marker = tmp_path / "marker"
+    for model, what in [("os:system", "names Python's standard library"),
+                        ("subprocess:run", "names Python's standard library"),
+                        ("tests.test_bad_input:popen", "is a function of Python's standard library (os)"),
+                        ("torch.nn:Linear", "is a class"),
+                        ("pipeflow.train:log", "is a Logger, not a Python function")]:
+        with pytest.raises(ModelError) as e:
+            build_model(model, {"command": f"touch {marker}"})
+        assert f"--model {model!r} {what}" in str(e.value)
+    assert not marker.exists()
+    assert resolve_builder("tests.test_bad_input:nan_data_mlp") is nan_data_mlp
+    assert "runs that code" in " ".join(build_parser().format_help().split())
+
+
+def _run_all(cases: dict[str, tuple[int, list[str], dict[str, str]]]) -> dict[str, tuple[int, str, float]]:
+    """Start every case's mpirun at once (start-up dominates); {name: (exit code, stderr, seconds)}."""
+    t0 = time.monotonic()
+    procs = {name: subprocess.Popen([str(MPIRUN), "-np", str(np_), sys.executable, "-m", "pipeflow.train", *argv],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env={**mpi_env(), **env})
+             for name, (np_, argv, env) in cases.items()}
+    out = {}
+    for name, p in procs.items():
+        try:
+            _, err = p.communicate(timeout=240)
+        finally:
+            p.kill()
+        out[name] = (p.returncode, err, time.monotonic() - t0)
+    return out
+
+
+def test_bad_setups_end_to_end_print_one_whole_line(tmp_path):
+    """Under mpirun with PYTHONUNBUFFERED=1: exactly one error line, from rank 0, not glued to another;
+    --model os:system does not run the command; an unknown plan schedule stops at set-up on every rank;
+    --skip-nonfinite on a run that never recovers stops after --max-skips with the count."""
+    marker = tmp_path / "marker"
+    zb = tmp_path / "zb.json"
+    write_plan(zb, "zb", 4, [(2, 1), (2, 1)])
+    nan = ["--model", "tests.test_bad_input:nan_data_mlp", "--model-args", json.dumps(MLP), "--device", "cpu",
+           "--layers-per-stage", "even", "--optimizer", "sgd", "--microbatches", "2", "--steps", "50",
+           "--skip-nonfinite", "--max-skips", "3"]
+    runs = _run_all({
+        "os:system": (4, ["--model", "os:system", "--model-args", json.dumps({"command": f"touch {marker}"})], {}),
+        "zb": (2, [*BASE, "--plan", str(zb)], {"PIPEFLOW_LOG": "INFO"}),
+        "huge m": (2, [*BASE, "--microbatches", "100000000"], {}),
+        "nan": (2, nan, {}),
+        "log level": (2, BASE, {"PIPEFLOW_LOG": "verbose"}),
+    })
+    for name, want, code in [
+        ("os:system", "pipeflow-train: error: --model 'os:system' names Python's standard library, which has no "
+                      "model builder: expected 'package.module:function' of your own code returning a "
+                      "pipeflow.ModelSpec", 2),
+        ("zb", "pipeflow-train: error: the plan's schedule 'zb' is unknown: expected one of gpipe, 1f1b, async, 2bw "
+               "(edit the plan or pass --schedule)", 2),
+        ("huge m", "pipeflow-train: error: --microbatches gives 100000000 microbatches in one schedule", 2),
+        ("nan", "pipeflow-train: non-finite loss on stage 1 (the last) and gradients on stages 0, 1 at step 3: "
+                "3 consecutive steps skipped (3 in all; --skip-nonfinite stops after --max-skips 3 in a row), "
+                "the run is not recovering. Lower --lr or check the data", 4),
+        ("log level", "pipeflow-train: error: PIPEFLOW_LOG must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL (or "
+                      "a number), found 'verbose'", 2),
+    ]:
+        rc, err, took = runs[name]
+        lines = [line for line in err.splitlines() if "pipeflow-train" in line]
+        assert rc == code and len(lines) == 1 and lines[0].startswith(want), (name, err)
+        assert "Traceback" not in err, err
+    assert "[rank" not in runs["zb"][1], "set-up must stop before any rank starts training"
+    assert not marker.exists()
+    assert max(took for _, _, took in runs.values()) < 120
+
+
+def test_more_samples_per_step_than_the_dataset_starts_at_once_and_trains_right(tmp_path):
+    """512 microbatches of 1 over 64 samples: the loader cycles (each sample 8 times a step); one step
+    equals the single-process reference, and set-up is not slowed by m."""
+    out = tmp_path / "m.pt"
+    args = [*BASE, "--microbatches", "512", "--microbatch-size", "1", "--steps", "1", "--optimizer", "sgd",
+            "--lr", "0.05", "--dtype", "float64", "--save", str(out)]
+    runs = _run_all({"m512": (2, args, {})})
+    rc, err, took = runs["m512"]
+    assert rc == 0, err
+    want = reference_flush("mlp", MLP, steps=1, microbatches=512, microbatch_size=1, lr=0.05)
+    got = torch.load(out, weights_only=True)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-10, atol=1e-12)
+    assert took < 90
+
+
+def test_ctrl_c_of_mpirun_during_async_without_checkpoint_dir_stops_cleanly(tmp_path):
+    """Today: 7 tracebacks, a segfault and exit 11. Now: exit 130 and one line, as with --checkpoint-dir."""
+    args = [*BASE, "--schedule", "async", "--microbatches", "2", "--steps", "5000", "--log-every", "1",
+            "--timeout", "30"]
+    env = {**mpi_env(), "PIPEFLOW_LOG": "INFO"}
+    proc = subprocess.Popen([str(MPIRUN), "-np", "2", sys.executable, "-m", "pipeflow.train", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    deadline = time.monotonic() + 150
+    while not any("loss" in line for line in lines) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert proc.poll() is None, "".join(lines)  # training, far from its end
+    proc.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    try:
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    took = time.monotonic() - t0
+    reader.join(10)
+    err = "".join(lines)
+    msgs = [line for line in lines if line.startswith("pipeflow-train")]
+    assert len(msgs) == 1 and msgs[0].startswith("pipeflow-train: stopped by SIGINT (received by rank "), err
+    assert msgs[0].rstrip().endswith("nothing saved: the asynchronous schedules checkpoint only with "
+                                     "--checkpoint-dir"), err
+    assert "Traceback" not in err and "Segmentation" not in err and "signal 11" not in err, err
+    assert proc.returncode == 130, err
+    assert took < 15
