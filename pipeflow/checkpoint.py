@@ -66,12 +66,13 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
         os.close(fd)
 
 
-def _param_names(engine: Any) -> dict[int, str]:
-    """id(parameter) -> model-wide name ("3.fc.weight")."""
-    out = {}
-    for k, p in engine.stage.module.named_parameters():
+def _param_names(engine: Any) -> dict[int, list[str]]:
+    """id(parameter) -> its model-wide names ("3.fc.weight"): several for a Parameter that layers share
+    (tied weights), whose optimizer state is then written under each, as its weight is."""
+    out: dict[int, list[str]] = {}
+    for k, p in engine.stage.module.named_parameters(remove_duplicate=False):
         idx, _, rest = k.partition(".")
-        out[id(p)] = f"{int(idx) + engine.stage.start}.{rest}"
+        out.setdefault(id(p), []).append(f"{int(idx) + engine.stage.start}.{rest}")
     return out
 
 
@@ -81,9 +82,9 @@ def optimizer_state(engine: Any) -> dict[str, Any]:
     names = _param_names(engine)
     order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
     sd = opt.state_dict()
-    state = {order[i]: {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-             for i, s in sd["state"].items()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [order[i] for i in g["params"]]}
+    state = {name: {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+             for i, s in sd["state"].items() for name in order[i]}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [order[i][0] for i in g["params"]]}
               for g in sd["param_groups"]]
     return {"class": type(opt).__name__, "state": state, "groups": groups}
 
@@ -411,7 +412,11 @@ def _load_optimizer(engine: Any, states: dict[str, dict[str, Any]]) -> None:
     opt = engine.optimizer
     names = _param_names(engine)
     order = [p for g in opt.param_groups for p in g["params"]]
-    state = {i: states[names[id(p)]] for i, p in enumerate(order) if names[id(p)] in states}
+    state: dict[int, dict[str, Any]] = {}
+    for i, p in enumerate(order):  # a tied parameter: any of its names (their states are equal)
+        found = [n for n in names[id(p)] if n in states]
+        if found:
+            state[i] = states[found[0]]
     groups, i = [], 0
     for g in opt.param_groups:
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(i, i + len(g["params"])))})

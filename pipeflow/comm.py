@@ -145,11 +145,28 @@ class P2P:
     Shapes travel once per (channel, input signature) over MPI and are cached.
     """
 
-    def __init__(self, world: World, groups: dict[tuple[int, int, str], Any]) -> None:
+    def __init__(self, world: World, groups: dict[tuple[int, int, str], Any], *, window: int | None = None) -> None:
         self.world = world
         self.groups = groups
         self.meta_cache: dict[tuple[int, int, Any], list[TensorMeta]] = {}
-        self.pending_sends: list[Any] = []
+        # Posted sends not known complete, oldest first: (works, bytes). A send is dropped, with its
+        # buffers, once it completes; more than `window` of them waits for the oldest (set_window).
+        self.pending_sends: list[tuple[list[Any], int]] = []
+        self.window = window
+        self.peak_pending = 0        # most sends held at once, and the most bytes they held
+        self.peak_pending_bytes = 0
+
+    def set_window(self, window: int) -> None:
+        """Sends to keep before waiting for the oldest (Engine._send_window: what the schedule keeps in
+        flight, with slack). Once a rank has posted that many later sends, the peers have answered later
+        microbatches than the oldest, and they receive in order: its receive is posted, so waiting for it
+        cannot deadlock. Memory held by sends then does not grow with m (docs/schedules.md, Flush schedules)."""
+        self.window = window
+
+    def _reap(self) -> None:
+        """Drop the sends that completed (polled, never waited for), freeing their buffers. NCCL's works
+        report completion when polled; gloo's send works only after wait(), so on CPU the window bounds them."""
+        self.pending_sends = [s for s in self.pending_sends if not all(w.is_completed() for w in s[0])]
 
     def _group(self, src: int, dst: int, direction: str) -> Any:
         try:
@@ -173,8 +190,14 @@ class P2P:
                     f"inputs of the same shape {signature}; the tensors between stages must be a function of "
                     "the input shapes")
         group = self._group(self.world.rank, dst, direction)
-        for t in tensors:
-            self.pending_sends.append(dist.isend(t.detach().contiguous(), dst, group=group))
+        bufs = [t.detach().contiguous() for t in tensors]
+        works = [dist.isend(b, dst, group=group) for b in bufs]
+        self._reap()
+        self.pending_sends.append((works, sum(b.numel() * b.element_size() for b in bufs)))
+        if self.window is not None:
+            self.wait_sends(keep=self.window)
+        self.peak_pending = max(self.peak_pending, len(self.pending_sends))
+        self.peak_pending_bytes = max(self.peak_pending_bytes, sum(n for _, n in self.pending_sends))
 
     def recv(self, src: int, direction: str, *, signature: Any = None,
              meta: list[TensorMeta] | None = None) -> tuple[list[torch.Tensor], list[Any]]:
@@ -185,6 +208,7 @@ class P2P:
                 self.meta_cache[key] = pickle.loads(self.world.mpi.recv(source=src, tag=META_TAG))
             meta = self.meta_cache[key]
         group = self._group(src, self.world.rank, direction)
+        self._reap()
         bufs, works = [], []
         for shape, dtype, _ in meta:
             buf = torch.empty(shape, dtype=dtype, device=self.world.device)
@@ -214,8 +238,9 @@ class P2P:
         return self.meta_cache[key]
 
     def wait_sends(self, keep: int = 0) -> None:
-        """Complete all but the newest `keep` sends (their buffers may then be freed)."""
-        n = len(self.pending_sends) - keep
-        for w in self.pending_sends[:max(n, 0)]:
-            w.wait()
-        del self.pending_sends[:max(n, 0)]
+        """Complete all but the newest `keep` sends and drop them (their buffers may then be freed)."""
+        n = max(len(self.pending_sends) - keep, 0)
+        for works, _ in self.pending_sends[:n]:
+            for w in works:
+                w.wait()
+        del self.pending_sends[:n]

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from partitioner.plan import Plan
 from pipeflow.comm import P2P, World, new_groups, p2p_group_options
 from pipeflow.data.loader import MicrobatchLoader
-from pipeflow.reduce import GradReducer
+from pipeflow.reduce import GradReducer, Tie, find_ties
 from pipeflow.schedule import FLUSH_SCHEDULES, Action, Schedule, generate
 from pipeflow.spec import ModelSpec
 from pipeflow.stage import Stage, mark_requires_grad
@@ -74,12 +74,23 @@ class Engine:
         self._scheds: dict[int, Schedule] = {}
         self.mb_offset = 0  # asynchronous: global index of the current segment's microbatch 0
         self._use_schedule(1 if self.flush else (segment_steps or total_steps))
-        self.p2p = P2P(world, self._make_channels())
+        # Parameters shared by layers of several stages (tied embedding and head): one logical parameter
+        # whose gradient is summed over every stage and replica holding it (reduce.Tie, _step).
+        self.ties = find_ties(spec.layers, [st.layers for st in plan.stages], [st.ranks for st in plan.stages])
+        if self.ties and not self.flush:
+            raise ValueError(tied_async_error(self.ties, schedule))
+        self.p2p = P2P(world, self._make_channels(), window=self._send_window())
         self.p2p.warm_up()
+        self._logged_peak = 0
+        tied = {id(p) for _, p in self._tied_here()}
+        self.tie_reducers = [GradReducer(params, group, overlap=False) for params, group in self._tie_groups()]
         self.reducer: GradReducer | None = None
         if st.replicas > 1:
             group = self.replica_groups[tuple(st.ranks)]
-            self.reducer = GradReducer(self.stage.parameters(), group)
+            # async: PipeDream's replicas are DDP, an update takes the mean of their r gradients; flush
+            # schedules scale each microbatch's loss by 1/m, so the sum is already the minibatch mean.
+            self.reducer = GradReducer([p for p in self.stage.parameters() if id(p) not in tied], group,
+                                       average=schedule == "async")
         self.policy = WeightPolicy()
         self.step_guard: Callable[[], bool] | None = None
         if not self.flush:
@@ -99,6 +110,21 @@ class Engine:
         self.sched = self._scheds[steps]
         self.worker = self.sched.worker(self.s, self.r)
         self.actions: list[Action] = self.sched.actions[self.worker]
+        if hasattr(self, "p2p"):
+            self.p2p.set_window(self._send_window())
+
+    def _send_window(self) -> int:
+        """Sends a rank may keep before it waits for its oldest (comm.P2P), from M, the most microbatches
+        any worker holds between F and B, and R, the most replicas: among 3(M + R) + 2 later sends, at least
+        M + R are gradients or follow backwards, so the peers have gone past the oldest one's receive
+        (they run F and B in microbatch order, at most M ahead). Under 1f1b M <= stages, whatever m."""
+        most = 0
+        for acts in self.sched.actions:
+            held = 0
+            for a in acts:
+                held += (a.kind == "F") - (a.kind == "B")
+                most = max(most, held)
+        return 3 * (most + max(self.plan.replicas)) + 2
 
     def _new_policy(self) -> None:
         from pipeflow.stash import StashPolicy, version_fn  # stash.py subclasses WeightPolicy
@@ -144,7 +170,28 @@ class Engine:
         self.replica_groups = new_groups(self.world, replica_sets)
         last = self.plan.stages[-1]
         self.loss_group = self.replica_groups.get(tuple(last.ranks)) if last.replicas > 1 else None
+        # Tied parameters: one group per rank set holding one, after the others (Megatron's embedding group).
+        self.tie_groups = new_groups(self.world, [t.ranks for t in self.ties])
         return groups
+
+    def _tied_here(self) -> list[tuple[Tie, torch.nn.Parameter]]:
+        """The ties this stage holds, each with its parameter as this stage's module holds it."""
+        start, end = self.stage.start, self.stage.start + len(self.stage.module)
+        out = []
+        for t in self.ties:
+            here = [(i, n) for i, n in t.uses if start <= i < end]
+            if here:
+                i, name = here[0]
+                out.append((t, self.stage.module[i - start].get_parameter(name)))
+        return out
+
+    def _tie_groups(self) -> list[tuple[list[torch.nn.Parameter], Any]]:
+        """(this rank's tied parameters, group) per tie rank set this rank is in, in the same order on
+        every rank, so that the all-reduces of _step are issued in one global order."""
+        by_ranks: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
+        for t, p in self._tied_here():
+            by_ranks.setdefault(tuple(t.ranks), []).append(p)
+        return [(params, self.tie_groups[ranks]) for ranks, params in by_ranks.items()]
 
     # ------------------------------------------------------------------ execution
 
@@ -186,8 +233,8 @@ class Engine:
                 posted = recv_b.pop(i, None)
                 if posted is None and not self.stage.last:
                     posted = self._post_recv_b(Action("RECV_B", i))
-                if self.reducer is not None and i in arm_at:
-                    self.reducer.arm()
+                if self.reducer is not None and i in arm_at and i in self.stage.saved:
+                    self.reducer.arm(self.stage.saved[i].outputs)
                 in_grads[i] = self._backward(i, posted)
                 outputs.pop(i, None)
             elif a.kind == "SEND_B":
@@ -199,11 +246,13 @@ class Engine:
                 if on_step is not None:
                     on_step(steps_done)
                 steps_done += 1
-                if not self.flush:
-                    self.p2p.wait_sends(keep=4 * self.S)
             else:
                 raise RuntimeError(f"rank {self.world.rank}: the engine cannot run action {a}")
         self.p2p.wait_sends()
+        if self.p2p.peak_pending > self._logged_peak:
+            self._logged_peak = self.p2p.peak_pending
+            log.info("sends held: peak %d (%d bytes), window %d", self.p2p.peak_pending,
+                     self.p2p.peak_pending_bytes, self.p2p.window)
         if not self.flush:
             self.policy.finish()
 
@@ -256,6 +305,8 @@ class Engine:
         with self.timer.span("STEP"):
             if self.reducer is not None:
                 self.reducer.finish()
+            for tie in self.tie_reducers:  # after the replicas' reduction, which excludes tied parameters
+                tie.finish()
             self.policy.before_step()
             # failure.StepGuard: skips non-finite updates; agrees on stop/skip at step boundaries.
             if self.step_guard is None or self.step_guard():
@@ -290,3 +341,11 @@ class Engine:
             idx, _, rest = k.partition(".")
             out[f"{int(idx) + self.stage.start}.{rest}"] = v.detach().cpu()
         return out
+
+
+def tied_async_error(ties: list[Tie], schedule: str) -> str:
+    """One line: why a tied parameter across stages cannot train under an asynchronous schedule."""
+    t = ties[0]
+    return (f"parameter {' = '.join(t.keys)} is shared by stages {', '.join(map(str, t.stages))}, which --schedule "
+            f"{schedule} cannot train: its stages use different weight versions of one parameter. Use --schedule "
+            "gpipe or 1f1b, or a plan that keeps the tied layers on one stage")

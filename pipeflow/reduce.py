@@ -1,7 +1,10 @@
-"""Gradient all-reduce among a stage's replicas, bucketed and started during the last backward
-(Poseidon ATC'17, wait-free backpropagation): a bucket goes out as soon as all its gradients are final."""
+"""Gradient reduction: the all-reduce among a stage's replicas, bucketed and started during the last
+backward (Poseidon ATC'17, wait-free backpropagation), and the sum of a tied parameter's gradient over
+every stage that holds it (Megatron-LM's embedding group)."""
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,11 +13,30 @@ from torch import nn
 
 
 class GradReducer:
-    """Sums gradients over `group`. Buckets follow reverse parameter order (the order backward finishes
-    them) and are launched strictly in index order, so every replica issues the same collectives."""
+    """Sums gradients over `group` (`average`: then divides by its size). Buckets follow reverse parameter
+    order (the order backward finishes them) and are launched strictly in index order, so every member
+    issues the same collectives.
 
-    def __init__(self, params: list[nn.Parameter], group: Any, *, bucket_bytes: int = 25 << 20) -> None:
+    No gradient is not a zero gradient (docs/reproducibility.md, Optimizer): each bucket carries one presence flag
+    per parameter; a parameter no member produced a gradient for keeps grad=None, so momentum, weight decay
+    and AdamW leave it alone as torch.optim does in one process; one that some members produced gets the
+    sum, absent counting as zero.
+
+    Readiness is decided per backward, not per hook call: `arm(roots)` walks the armed backward's graph and
+    expects the parameters whose AccumulateGrad node it reaches. Autograd runs that node once per backward
+    (a parameter used twice has its two gradients summed in the node's input buffer first), so each
+    expected hook fires once and a bucket launches when all its expected parameters have fired; the others'
+    gradients are already final. Nothing launches before `finish()` when the graph reaches none of the
+    parameters (a stashed copy's graph: stash.py adds those gradients after the backward) or holds a Python
+    autograd Function, which may run nested backwards (reentrant checkpointing) that accumulate into
+    parameters outside that count, any number of times. With `overlap=False` (tied parameters) everything
+    launches in `finish()`.
+    """
+
+    def __init__(self, params: list[nn.Parameter], group: Any, *, average: bool = False,
+                 bucket_bytes: int = 25 << 20, overlap: bool = True) -> None:
         self.group = group
+        self.average = average
         self.buckets: list[list[nn.Parameter]] = []
         size = bucket_bytes + 1
         for p in reversed([p for p in params if p.requires_grad]):
@@ -24,48 +46,134 @@ class GradReducer:
             self.buckets[-1].append(p)
             size += p.numel() * p.element_size()
         self.bucket_of = {p: b for b, ps in enumerate(self.buckets) for p in ps}
-        self.ready = [0] * len(self.buckets)
+        self.waiting = [0] * len(self.buckets)  # expected parameters of each bucket not final yet
         self.next = 0
-        self.works: list[tuple[Any, torch.Tensor, int]] = []
+        self.works: list[tuple[Any, torch.Tensor, int, bool]] = []  # (work, flat, bucket, all present here)
         self.armed = False
-        for p in self.bucket_of:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+        if overlap:
+            for p in self.bucket_of:
+                p.register_post_accumulate_grad_hook(self._on_grad)
 
-    def arm(self) -> None:
-        """The next backward is this replica's last of the step: reduce as gradients become final."""
-        self.armed = True
-        self.ready = [0] * len(self.buckets)
+    def arm(self, roots: Sequence[torch.Tensor]) -> None:
+        """The backward from `roots` is this member's last of the step: reduce as gradients become final."""
         self.next = 0
+        leaves, nested = _graph_leaves(roots)
+        self.waiting = [sum(id(p) in leaves for p in ps) for ps in self.buckets]
+        self.armed = not nested and any(self.waiting)
+        if self.armed:
+            self._advance()
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self.armed:
             return
-        b = self.bucket_of[p]  # type: ignore[index]
-        self.ready[b] += 1
-        while self.next < len(self.buckets) and self.ready[self.next] == len(self.buckets[self.next]):
+        self.waiting[self.bucket_of[p]] -= 1  # type: ignore[index]
+        self._advance()
+
+    def _advance(self) -> None:
+        while self.next < len(self.buckets) and self.waiting[self.next] == 0:
             self._launch(self.next)
             self.next += 1
 
     def _launch(self, b: int) -> None:
         ps = self.buckets[b]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
-        self.works.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, b))
+        grads = [p.grad for p in ps]
+        ref = next((g for g in grads if g is not None), ps[0])
+        # Presence flags filled on the device: torch.tensor(list) would copy from the host and sync.
+        flags = torch.ones(len(ps), dtype=ref.dtype, device=ref.device)
+        for k, g in enumerate(grads):
+            if g is None:
+                flags[k].zero_()
+        flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, ps)]
+                         + [flags])
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self.works.append((work, flat, b, all(g is not None for g in grads)))
 
     def finish(self) -> None:
-        """Launch what backward did not (unused parameters), wait, and write the sums back."""
+        """Launch what backward did not, wait, and write the sums back (None where no member had one)."""
+        self.armed = False
         while self.next < len(self.buckets):
             self._launch(self.next)
             self.next += 1
-        for work, flat, b in self.works:
+        scale = 1.0 / dist.get_world_size(self.group) if self.average else None
+        for work, flat, b, here in self.works:
             work.wait()
+            ps = self.buckets[b]
+            total = sum(p.numel() for p in ps)
+            if scale is not None:
+                flat[:total].mul_(scale)
+            # Present here means present in the sum: read the flags (a device sync) only otherwise.
+            present = [True] * len(ps) if here else flat[total:].tolist()
             offset = 0
-            for p in self.buckets[b]:
+            for p, flag in zip(ps, present):
                 n = p.numel()
-                chunk = flat[offset:offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = chunk.clone()
+                if flag:
+                    chunk = flat[offset:offset + n].view_as(p)
+                    if p.grad is None:
+                        p.grad = chunk.clone()
+                    else:
+                        p.grad.copy_(chunk)
                 else:
-                    p.grad.copy_(chunk)
+                    p.grad = None
                 offset += n
         self.works.clear()
-        self.armed = False
+        self.next = 0
+
+
+def _graph_leaves(roots: Iterable[torch.Tensor]) -> tuple[set[int], bool]:
+    """ids of the leaf tensors whose AccumulateGrad a backward from `roots` runs, and whether the graph
+    holds a Python autograd Function (which may run a nested backward, e.g. reentrant checkpointing)."""
+    leaves: set[int] = set()
+    nested = False
+    stack: list[Any] = []
+    for t in roots:
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+        elif t.requires_grad:
+            leaves.add(id(t))
+    seen: set[Any] = set()
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)  # AccumulateGrad nodes name their leaf
+        if isinstance(var, torch.Tensor):
+            leaves.add(id(var))
+        if isinstance(fn, torch.autograd.function.BackwardCFunction):
+            nested = True
+        stack.extend(f for f, _ in fn.next_functions if f is not None)
+    return leaves, nested
+
+
+# ------------------------------------------------------------------------------------ tied parameters
+
+
+@dataclass
+class Tie:
+    """One Parameter shared by layers of several stages: its uses (layer index, name in the layer) and
+    the ranks of every stage (all replicas) that hold it."""
+
+    uses: list[tuple[int, str]]
+    stages: list[int]
+    ranks: list[int]
+
+    @property
+    def keys(self) -> list[str]:
+        return [f"{i}.{name}" for i, name in self.uses]
+
+
+def find_ties(layers: Sequence[nn.Module], stage_layers: Sequence[tuple[int, int]],
+              stage_ranks: Sequence[Sequence[int]]) -> list[Tie]:
+    """Parameters (by identity, before the layers are split) held by layers of more than one stage,
+    in order of first use: the same list on every rank (torchgpipe's verify_module detects them too)."""
+    stage_of = {i: s for s, (a, b) in enumerate(stage_layers) for i in range(a, b)}
+    uses: dict[int, list[tuple[int, str]]] = {}
+    for i, layer in enumerate(layers):
+        for name, p in layer.named_parameters(remove_duplicate=False):
+            uses.setdefault(id(p), []).append((i, name))
+    ties = []
+    for u in uses.values():
+        stages = sorted({stage_of[i] for i, _ in u})
+        if len(stages) > 1:
+            ties.append(Tie(u, stages, sorted(r for s in stages for r in stage_ranks[s])))
+    return ties

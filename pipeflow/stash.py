@@ -12,10 +12,11 @@ applied to the latest weights (PipeDream SOSP'19 §3.3, weight stashing):
   W(k+1) = W(k) - lr * grad f(W(k-1)); the generic optimizer gets that gradient for the live W(k).
 
 Replicated stages (1F1B-RR). Replica q of a stage with r replicas runs microbatches t = q (mod r).
-At every STEP the replicas all-reduce (sum) their gradients, so one update consumes one backward
-per replica: for ``async`` update u of the stage sums the gradients of microbatches ur .. ur+r-1
-(each of loss scale 1, so every microbatch enters every stage's updates with weight lr, whatever the
-replica count); for ``2bw`` it sums the replicas' shares of minibatch u (loss / m each: the
+At every STEP the replicas all-reduce their gradients, so one update consumes one backward per
+replica: for ``async`` update u of the stage takes the *mean* of the gradients of microbatches
+ur .. ur+r-1 (each of loss scale 1): PipeDream's replicas are data-parallel (DDP) workers, so a
+replicated stage steps with the same learning rate per update as the others, on r times the samples
+(docs/schedules.md, Replicas); for ``2bw`` it sums the replicas' shares of minibatch u (loss / m each: the
 minibatch mean, as in the flush schedules). With replicas, v_s(t) generalises to the version that
 is current at F(t): max(0, floor(t / r_s) - w_s), w_s = schedule.warmup_forwards(replicas, s);
 vertical sync uses, on every stage, the updates built from the c(t) = r_0 * v_0(t) microbatches

@@ -193,6 +193,19 @@ def resolve_warmup(text: str, plan: Plan) -> list[int] | None:
     return counts
 
 
+def check_ties(spec: ModelSpec, plan: Plan) -> None:
+    """A Parameter shared by layers of several stages trains as one under gpipe and 1f1b (engine.py);
+    the asynchronous schedules would give its copies different weight versions: refuse them here."""
+    from pipeflow.engine import tied_async_error
+    from pipeflow.reduce import find_ties
+    from pipeflow.schedule import FLUSH_SCHEDULES
+
+    if plan.schedule not in FLUSH_SCHEDULES:
+        ties = find_ties(spec.layers, [st.layers for st in plan.stages], [st.ranks for st in plan.stages])
+        if ties:
+            raise UsageError(tied_async_error(ties, plan.schedule))
+
+
 def make_optimizer(args: argparse.Namespace) -> Any:
     def factory(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         if args.optimizer == "sgd":
@@ -309,6 +322,7 @@ def _main(args: argparse.Namespace, comm: Any, watchdog: Any) -> int:
         spec = build_model(args.model, parse_model_args(args.model_args), seed=args.seed)
         plan = make_plan(args, spec, size, rank, comm)
         list_size = config.check_plan(plan, args, SCHEDULES)
+        check_ties(spec, plan)
     except (UsageError, PlanError, ModelError, ScheduleError, ValueError) as e:
         error = str(e)
     errors = comm.allgather(error)

@@ -90,8 +90,9 @@ def reference_delayed(model: str, model_args: dict[str, Any], *, schedule: str, 
                       dtype: torch.dtype = torch.float64, segment: int | None = None) -> dict[str, torch.Tensor]:
     """async / 2bw semantics, one microbatch at a time: microbatch t runs forward and backward through
     every stage s with version v_s(t) of its weights; stage s's update u (u + 1 updates in all) takes
-    the summed gradients of microbatches [u U_s, (u + 1) U_s) and is applied to its latest weights,
-    U_s = replicas of s for async (loss scale 1), m for 2bw (loss scale 1/m).
+    the gradients of microbatches [u U_s, (u + 1) U_s) and is applied to its latest weights: for async
+    U_s = replicas of s and their mean (loss scale 1; PipeDream's replicas are DDP), for 2bw U_s = m and
+    their sum (loss scale 1/m: the minibatch mean).
     `stages` is [(layer count, replicas)]. `segment` (microbatches, a multiple of m): the run drains every
     `segment` microbatches (checkpoint boundaries, stash.py "Segments"): at each segment start the current
     weights become version 0 and t counts from there."""
@@ -127,7 +128,7 @@ def reference_delayed(model: str, model_args: dict[str, Any], *, schedule: str, 
                 pending[s][k] = pending[s][k] + g if k in pending[s] else g
             if (t + 1) % per_update[s] == 0:
                 for k, p in mod.named_parameters():
-                    p.grad = pending[s].pop(k)
+                    p.grad = pending[s].pop(k) / (per_update[s] if schedule == "async" else 1)
                 opts[s].step()
                 opts[s].zero_grad()
                 history[s].append({k: v.detach().clone() for k, v in mod.named_parameters()})

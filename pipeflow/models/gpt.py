@@ -63,10 +63,12 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def build(layers: int = 4, d_model: int = 128, heads: int = 4, seq_len: int = 64, vocab: int = 256,
-          dataset: str = "stdlib", dataset_size: int = 4096, dropout: float = 0.0) -> ModelSpec:
+          dataset: str = "stdlib", dataset_size: int = 4096, dropout: float = 0.0, tie: bool = False) -> ModelSpec:
     """`layers` transformer blocks, so len(spec.layers) == layers + 2. The stdlib dataset is byte-level
     (tokens < 256 <= vocab); `dataset="synthetic"` draws random tokens below `vocab`. `dropout` (nanoGPT's
-    places) draws per (seed, microbatch, layer) under pipeflow-train (docs/reproducibility.md)."""
+    places) draws per (seed, microbatch, layer) under pipeflow-train (docs/reproducibility.md). `tie`: the
+    head's weight is the token embedding's (GPT-2, Press & Wolf 2017), one Parameter held by the first and last
+    layer."""
     if layers < 1:
         raise ValueError(f"gpt needs layers >= 1, found {layers}")
     if not 0.0 <= dropout < 1.0:
@@ -79,7 +81,11 @@ def build(layers: int = 4, d_model: int = 128, heads: int = 4, seq_len: int = 64
         data = SyntheticTokens(seq_len, vocab, size=dataset_size)
     else:
         raise ValueError(f"unknown gpt dataset {dataset!r}: expected 'stdlib' or 'synthetic'")
-    mods: list[nn.Module] = [Embedding(vocab, d_model, seq_len, dropout)]
+    embed = Embedding(vocab, d_model, seq_len, dropout)
+    mods: list[nn.Module] = [embed]
     mods += [Block(d_model, heads, dropout) for _ in range(layers)]
-    mods.append(Head(d_model, vocab))
+    head = Head(d_model, vocab)
+    if tie:
+        head.lm.weight = embed.tok.weight
+    mods.append(head)
     return ModelSpec(layers=mods, loss_fn=lm_loss, dataset=data, tokens_per_sample=seq_len)

@@ -1,0 +1,105 @@
+"""Test-only models for the gradient seams (`--model tests.models_grads:NAME`): a parameter no forward
+uses, a module applied twice under reentrant checkpointing, and wide cheap layers for memory runs."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import Dataset, TensorDataset
+
+from pipeflow.spec import ModelSpec
+
+
+class Inp(nn.Module):
+    def __init__(self, d_in: int, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_in, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class WithSpare(nn.Module):
+    """`spare` is never used in forward: it gets no gradient, so no optimizer may move it."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+        self.spare = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class Twice(nn.Module):
+    """One Linear applied twice, each under reentrant checkpointing: its gradient is accumulated into
+    .grad twice in one backward (two nested backwards), so per-hook counting calls it final too early."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+
+    def _apply_fc(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = checkpoint(self._apply_fc, x, use_reentrant=True)
+        return checkpoint(self._apply_fc, y, use_reentrant=True)
+
+
+class Out(nn.Module):
+    def __init__(self, hidden: int, classes: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def _data(d_in: int, classes: int, samples: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(samples, d_in, generator=g)
+    y = (x @ torch.randn(d_in, classes, generator=g)).argmax(dim=1)
+    return TensorDataset(x, y)
+
+
+def unused(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
+    """Layers: input, a layer with an unused Linear (`1.spare`), output."""
+    layers: list[nn.Module] = [Inp(d_in, hidden), WithSpare(hidden), Out(hidden, classes)]
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
+
+
+def twice(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
+    """Layers: input, a Linear applied twice under reentrant checkpointing, output."""
+    layers: list[nn.Module] = [Inp(d_in, hidden), Twice(hidden), Out(hidden, classes)]
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
+
+
+class Scale(nn.Module):
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+class _Noise(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Samples drawn on access from their index: no memory held however many there are."""
+
+    def __init__(self, features: int, size: int) -> None:
+        self.features, self.size = features, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(self.features, generator=g), torch.randn(self.features, generator=g)
+
+
+def wide(features: int = 1 << 20, layers: int = 2, samples: int = 1024) -> ModelSpec:
+    """Elementwise scale layers: activations of `features` values per sample for almost no compute."""
+    return ModelSpec(layers=[Scale(features) for _ in range(layers)], loss_fn=F.mse_loss,
+                     dataset=_Noise(features, samples))

@@ -1,0 +1,297 @@
+"""Gradients at the seams (issue 10, items 2, 4, 6, 7) under mpirun, against single-process training:
+replicas leave a parameter without gradient alone and wait for a gradient accumulated twice; a
+Parameter tied across stages trains as one; sends are released as they complete; async replicas average."""
+from __future__ import annotations
+
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from pipeflow import checkpoint
+from pipeflow.data.loader import MicrobatchLoader
+from pipeflow.engine import WeightPolicy
+from pipeflow.reduce import find_ties
+from pipeflow.spec import build_model
+from pipeflow.stage import Stage
+from tests.conftest import run_mpi, write_plan
+from tests.reference import reference_delayed, reference_flush
+
+SMALL = {"d_in": 6, "hidden": 8, "classes": 3, "samples": 64}
+GPT = {"layers": 2, "d_model": 16, "heads": 2, "seq_len": 8, "vocab": 256, "tie": True}
+MLP = {"layers": 6, "hidden": 16, "d_in": 8, "samples": 256}
+B = 2
+
+
+def reference(model: str, model_args: dict, *, steps: int, microbatches: int, optimizer: str, lr: float,
+              momentum: float = 0.0, weight_decay: float = 0.0) -> dict[str, torch.Tensor]:
+    """One process, float64: per step the mean of m microbatch losses, then torch.optim's step with the
+    same flags pipeflow-train turns into an optimizer (weight decay included)."""
+    spec = build_model(model, model_args, seed=0)
+    net = nn.Sequential(*spec.layers).double()
+    opt: torch.optim.Optimizer = (
+        torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay) if optimizer == "sgd"
+        else torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay))
+    loader = MicrobatchLoader(spec.dataset, B, seed=0)
+    for k in range(steps):
+        opt.zero_grad(set_to_none=True)
+        for i in range(microbatches):
+            x, y = loader.microbatch(k * microbatches + i)
+            (spec.loss_fn(net(x.double()), y) / microbatches).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def train(tmp_path, model: str, model_args: dict, stages: list[tuple[int, int]], *, schedule: str, m: int,
+          steps: int, extra: list[str], name: str = "model.pt") -> dict[str, torch.Tensor]:
+    plan = tmp_path / f"plan-{name}.json"
+    np_ = write_plan(plan, schedule, m, stages)
+    out = tmp_path / name
+    run_mpi(np_, ["--model", model, "--model-args", json.dumps(model_args), "--plan", str(plan), "--steps",
+                  str(steps), "--microbatch-size", str(B), "--dtype", "float64", "--device", "cpu", "--save", str(out),
+                  *extra])
+    return torch.load(out, weights_only=True)
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-11, msg=k)
+
+
+# ------------------------------------------------------------------ item 2: replicas and missing gradients
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_parameter_without_gradient_is_left_alone_by_replicas(tmp_path, optimizer):
+    """`1.spare` is in a replicated stage but in no forward: momentum, weight decay and AdamW must not move
+    it (a zero-filled gradient did: 0.0096 after 3 steps), every other parameter trains as in one process."""
+    lr = 0.05 if optimizer == "sgd" else 0.01
+    flags = ["--optimizer", optimizer, "--lr", str(lr), "--weight-decay", "0.1"]
+    flags += ["--momentum", "0.9"] if optimizer == "sgd" else []
+    got = train(tmp_path, "tests.models_grads:unused", SMALL, [(1, 1), (2, 2)], schedule="1f1b", m=4, steps=3,
+                extra=flags)
+    want = reference("tests.models_grads:unused", SMALL, steps=3, microbatches=4, optimizer=optimizer, lr=lr,
+                     momentum=0.9 if optimizer == "sgd" else 0.0, weight_decay=0.1)
+    initial = reference("tests.models_grads:unused", SMALL, steps=0, microbatches=4, optimizer=optimizer, lr=lr)
+    assert_same(got, want)
+    for k in ("1.spare.weight", "1.spare.bias"):
+        assert torch.equal(got[k], initial[k]), k
+    assert not torch.equal(got["1.fc.weight"], initial["1.fc.weight"])
+
+
+def test_parameter_accumulated_twice_in_the_last_backward_waits_for_both(tmp_path):
+    """A Linear applied twice under reentrant checkpointing on a replicated stage: its .grad is written
+    twice in the last backward of the step, and the replicas must reduce the sum of both."""
+    got = train(tmp_path, "tests.models_grads:twice", SMALL, [(1, 1), (2, 2)], schedule="1f1b", m=4, steps=3,
+                extra=["--optimizer", "sgd", "--lr", "0.05"])
+    assert_same(got, reference("tests.models_grads:twice", SMALL, steps=3, microbatches=4, optimizer="sgd", lr=0.05))
+
+
+# ------------------------------------------------------------------ item 4: tied weights across stages
+
+
+def test_tied_gpt_parameters_are_found_across_stages():
+    spec = build_model("gpt", GPT)
+    assert spec.layers[0].tok.weight is spec.layers[3].lm.weight
+    ties = find_ties(spec.layers, [(0, 2), (2, 4)], [[0, 1], [2]])
+    assert [(t.keys, t.stages, t.ranks) for t in ties] == [(["0.tok.weight", "3.lm.weight"], [0, 1], [0, 1, 2])]
+    assert find_ties(spec.layers, [(0, 4)], [[0]]) == []
+    untied = build_model("gpt", {**GPT, "tie": False})
+    assert find_ties(untied.layers, [(0, 2), (2, 4)], [[0], [1]]) == []
+
+
+@pytest.mark.parametrize("schedule,stages", [("gpipe", [(2, 1), (2, 1)]), ("1f1b", [(2, 1), (2, 1)]),
+                                             ("1f1b", [(1, 2), (2, 1), (1, 1)])],
+                         ids=["gpipe-np2", "1f1b-np2", "1f1b-replicated-np4"])
+def test_tied_weights_train_as_one_parameter(tmp_path, schedule, stages):
+    """gpt with the head tied to the token embedding, split so that they land on different stages (and
+    replicas): equal to single-process training; --save writes the one parameter under both keys."""
+    got = train(tmp_path, "gpt", GPT, stages, schedule=schedule, m=4, steps=3,
+                extra=["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"])
+    want = reference_flush("gpt", GPT, steps=3, microbatches=4, microbatch_size=B, optimizer="sgd", lr=0.05,
+                           momentum=0.9)
+    assert_same(got, want)
+    assert torch.equal(got["0.tok.weight"], got["3.lm.weight"])
+
+
+@pytest.mark.parametrize("schedule", ["async", "2bw"])
+def test_tied_weights_across_stages_are_refused_by_asynchronous_schedules(schedule):
+    proc = run_mpi(2, ["--model", "gpt", "--model-args", json.dumps(GPT), "--schedule", schedule, "--layers-per-stage",
+                       "even", "--microbatches", "2", "--steps", "1", "--device", "cpu"], check=False)
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("pipeflow-train:")]
+    assert len(lines) == 2 and "Traceback" not in proc.stderr, proc.stderr
+    for r, line in enumerate(sorted(lines)):
+        assert line == (f"pipeflow-train: error: [rank {r}] parameter 0.tok.weight = 3.lm.weight is shared by "
+                        f"stages 0, 1, which --schedule {schedule} cannot train: its stages use different weight "
+                        "versions of one parameter. Use --schedule gpipe or 1f1b, or a plan that keeps the tied "
+                        "layers on one stage")
+
+
+def _stage_engine(spec, layers: tuple[int, int], s: int) -> SimpleNamespace:
+    """The engine attributes checkpoint.py reads, for layers [a, b) of `spec` (no processes)."""
+    stage = Stage(spec.layers[layers[0]:layers[1]], start=layers[0], first=s == 0, last=False, loss_fn=None,
+                  device=torch.device("cpu"), dtype=torch.float64)
+    opt = torch.optim.Adam(stage.parameters(), lr=0.01)
+
+    def state_dict() -> dict[str, torch.Tensor]:
+        return {f"{int(k.partition('.')[0]) + layers[0]}.{k.partition('.')[2]}": v.detach().clone()
+                for k, v in stage.module.state_dict().items()}
+
+    return SimpleNamespace(stage=stage, optimizer=opt, policy=WeightPolicy(), world=SimpleNamespace(
+        device=torch.device("cpu")), s=s, r=0, state_dict=state_dict)
+
+
+def test_tied_optimizer_state_is_saved_under_every_key(tmp_path):
+    """A checkpoint of one stage holding both ends of the tie, resumed with them on two stages: the head's
+    copy gets the embedding's Adam state (it was saved under one name only, so it started fresh)."""
+    run = {"model": "gpt", "model_args": GPT, "num_layers": 4, "seed": 0, "shuffle": True, "samples_per_step": 8}
+    whole = _stage_engine(build_model("gpt", GPT), (0, 4), 0)
+    for p in whole.stage.parameters():
+        p.grad = torch.full_like(p, 0.1)
+    whole.optimizer.step()
+    d = checkpoint.step_dir(tmp_path, 1)
+    d.mkdir()
+    payload = checkpoint.stage_payload(whole, 1, run)
+    checkpoint.atomic_write(checkpoint.stage_file(d, 0), lambda f: torch.save(payload, f))
+    marker = {"format": checkpoint.CKPT_FORMAT, "step": 1, "run": run,
+              "stages": [{"file": checkpoint.stage_file(d, 0).name, "layers": [0, 4]}]}
+    (d / checkpoint.MARKER).write_text(json.dumps(marker))
+    spec = build_model("gpt", GPT)
+    head = _stage_engine(spec, (2, 4), 1)
+    assert checkpoint.load(head, d, run) == 1
+    tied = whole.stage.module[0].tok.weight
+    lm = head.stage.module[1].lm.weight
+    torch.testing.assert_close(lm, tied, rtol=0, atol=0)
+    state = head.optimizer.state[lm]
+    assert int(state["step"]) == 1
+    torch.testing.assert_close(state["exp_avg"], whole.optimizer.state[tied]["exp_avg"], rtol=0, atol=0)
+
+
+def test_tied_weights_resume_under_another_split(tmp_path):
+    """Checkpoint after 2 steps on one process, resume on two stages: 4 steps equal single-process training."""
+    ck = tmp_path / "ck"
+    common = ["--model", "gpt", "--model-args", json.dumps(GPT), "--microbatches", "4", "--microbatch-size", str(B),
+              "--optimizer", "adam", "--lr", "0.01", "--dtype", "float64", "--device", "cpu", "--schedule", "1f1b",
+              "--checkpoint-dir", str(ck), "--layers-per-stage", "even"]
+    run_mpi(1, [*common, "--steps", "2"])
+    run_mpi(2, [*common, "--steps", "4", "--resume", "--save", str(tmp_path / "model.pt")])
+    got = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert_same(got, reference_flush("gpt", GPT, steps=4, microbatches=4, microbatch_size=B, optimizer="adam",
+                                     lr=0.01))
+
+
+# ------------------------------------------------------------------ item 6: sends released as they complete
+
+
+def _send_peaks(stderr: str) -> dict[int, tuple[int, int, int]]:
+    """rank -> (peak sends held, their bytes, window) from the engine's last `sends held` line."""
+    out = {}
+    for r, peak, nbytes, window in re.findall(r"\[rank (\d+)\] INFO pipeflow\.engine: sends held: peak (\d+) "
+                                              r"\((\d+) bytes\), window (\d+)", stderr):
+        out[int(r)] = (int(peak), int(nbytes), int(window))
+    return out
+
+
+def test_sends_held_do_not_grow_with_microbatches(tmp_path):
+    """1f1b on 2 stages: the sends a rank holds (Works and their buffers) are bounded by what the schedule
+    keeps in flight, the same for m=16 and m=32 (before: every send of the step, 2m tensors, until STEP)."""
+    plan = tmp_path / "plan.json"
+    peaks = {}
+    for m in (16, 32):
+        write_plan(plan, "1f1b", m, [(3, 1), (3, 1)])
+        proc = run_mpi(2, ["--model", "mlp", "--model-args", json.dumps(MLP), "--plan", str(plan), "--steps", "2",
+                           "--microbatch-size", str(B), "--optimizer", "sgd", "--lr", "0.05", "--dtype", "float64",
+                           "--device", "cpu"], env={"PIPEFLOW_LOG": "INFO"})
+        peaks[m] = _send_peaks(proc.stderr)
+        assert sorted(peaks[m]) == [0, 1], proc.stderr
+    # One send is (h, r): 2 tensors of B x hidden float64, the activations forward or their gradients back.
+    per_send = 2 * B * MLP["hidden"] * 8
+    for r in (0, 1):
+        (p16, b16, w16), (p32, b32, w32) = peaks[16][r], peaks[32][r]
+        assert w16 == w32 < 16, (r, w16, w32)
+        assert p32 <= w32 and b32 <= w32 * per_send, (r, peaks)
+        assert (p32, b32) == (p16, b16), (r, peaks)
+
+
+# ------------------------------------------------------------------ item 7: async replicas average
+
+
+def test_async_data_parallel_replicas_average_their_gradients(tmp_path):
+    """async on one stage of 2 replicas, m=2: each update takes microbatches 2u and 2u+1 on the weights of
+    update u, so with the *mean* of the two gradients it is minibatch SGD with m=2 (a sum steps with 2 lr)."""
+    got = train(tmp_path, "mlp", MLP, [(6, 2)], schedule="async", m=2, steps=3,
+                extra=["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"])
+    want = reference_flush("mlp", MLP, steps=3, microbatches=2, microbatch_size=B, optimizer="sgd", lr=0.05,
+                           momentum=0.9)
+    assert_same(got, want)
+    delayed = reference_delayed("mlp", MLP, schedule="async", stages=[(6, 2)], steps=3, microbatches=2,
+                                microbatch_size=B, optimizer="sgd", lr=0.05, momentum=0.9)
+    assert_same(delayed, want)
+
+
+# ------------------------------------------------------------------ the reducer in one process
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo world of one in this process: the reducer's collectives run, the sums are the inputs."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_reducer_launches_during_backward_only_what_is_final(one_rank_group):
+    """Buckets of one parameter each. A plain backward launches every bucket during the backward (overlap),
+    an unused parameter's as soon as the buckets before it are out (its gradient is final: none) and it
+    keeps grad=None; a graph through reentrant checkpointing (nested backwards) launches nothing before
+    finish(), nor one that reaches none of the parameters (a stashed copy's)."""
+    from pipeflow.reduce import GradReducer
+    from tests.models_grads import Twice
+
+    torch.manual_seed(0)
+    used, spare, out = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+    params = [*used.parameters(), *spare.parameters(), *out.parameters()]
+    red = GradReducer(params, one_rank_group, bucket_bytes=1)
+    assert len(red.buckets) == 6
+    loss = out(torch.tanh(used(torch.randn(3, 4)))).sum()
+    red.arm([loss])
+    assert red.works == []
+    launched = []
+    used.weight.register_post_accumulate_grad_hook(lambda p: launched.append(len(red.works)))
+    loss.backward()
+    # Reverse order: out.bias, out.weight, spare.bias, spare.weight, used.bias, used.weight (the last).
+    assert launched == [6] and [b for _, _, b, _ in red.works] == [0, 1, 2, 3, 4, 5]  # all, in backward
+    want = {id(p): None if p.grad is None else p.grad.clone() for p in params}
+    red.finish()
+    assert spare.weight.grad is None and spare.bias.grad is None
+    for p in params:
+        if want[id(p)] is not None:
+            torch.testing.assert_close(p.grad, want[id(p)], rtol=0, atol=0)
+
+    twice = Twice(4)
+    red = GradReducer(list(twice.parameters()), one_rank_group, bucket_bytes=1)
+    x = torch.randn(3, 4, requires_grad=True)
+    loss = twice(x).sum()
+    red.arm([loss])
+    loss.backward()
+    assert red.works == []
+    ref = Twice(4)
+    ref.load_state_dict(twice.state_dict())
+    ref(x.detach().requires_grad_(True)).sum().backward()
+    red.finish()
+    for p, q in zip(twice.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+    copy = nn.Linear(4, 2)  # stash.py: the forward ran on a copy, whose gradients reach .grad afterwards
+    red = GradReducer(list(out.parameters()), one_rank_group, bucket_bytes=1)
+    loss = copy(torch.randn(3, 4)).sum()
+    red.arm([loss])
+    loss.backward()
+    assert red.works == []
