@@ -2,19 +2,36 @@
 
     pipeflow-plan profile.json --workers 32 --topology 8x300GB/s,4x25GB/s --memory-per-worker 16GiB \\
         --schedule 1f1b --microbatches auto -o plan.json --timeline plan.png
+    pipeflow-plan profile.json --evaluate my_plan.json --topology 8x300GB/s,4x25GB/s -o priced.json
+
+The DP bounds every plan's step time from below; the simulator replays the schedule on the plans in order
+of bound until no unvisited plan can be faster, so the plan written is the fastest the simulator knows.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from partitioner.plan import Plan, PlanError, StagePlan
-from partitioner.planner import OPTIMIZER_STATES, SCHEDULES, CostModel, LayerCosts, PlanningError, Solution, solve
+from partitioner.planner import (
+    OPTIMIZER_STATES,
+    SCHEDULES,
+    CostModel,
+    LayerCosts,
+    PlanningError,
+    Progress,
+    Solution,
+    tabulate,
+)
+from partitioner.price import predicted, price, schedule_rule
 from partitioner.profile import Profile, ProfileError
-from partitioner.simulate import SimResult, StageCost, simulate
+from partitioner.search import search
+from partitioner.simulate import SimResult, StageCost
 from partitioner.topology import Topology, TopologyError, format_bytes, parse_bytes
+from pipeflow.schedule import FLUSH_SCHEDULES
 
 # --microbatches auto: the smallest power of two up to AUTO_MAX_MICROBATCHES whose simulated bubble (share
 # of worker time not computing, all-reduce waits included) is at most AUTO_BUBBLE; failing that, the
@@ -22,6 +39,14 @@ from partitioner.topology import Topology, TopologyError, format_bytes, parse_by
 # (S-1)/(m+S-1) for 1F1B, but cost activation memory (gpipe) and a larger minibatch.
 AUTO_BUBBLE = 0.10
 AUTO_MAX_MICROBATCHES = 256
+# Sizes the planner refuses up front rather than run for minutes: the DP grows as layers^2 x workers^2 on
+# one level and the simulator linearly in microbatches x stages.
+MAX_WORKERS = 1024
+MAX_MICROBATCHES = 4096
+# Plans simulated per search (partitioner/search.py), and microbatch-stages replayed, before it settles for
+# the best so far (about 0.5 s of simulation on the 2-core CI machine).
+SEARCH_LIMIT = 64
+SEARCH_WORK = 50_000
 
 
 @dataclass
@@ -29,43 +54,41 @@ class Planned:
     """The plan with what the table and the timeline need."""
 
     plan: Plan
-    solution: Solution
     costs: list[StageCost]
     sim: SimResult
+    solution: Solution | None = None
 
 
-def stage_costs(model: CostModel, solution: Solution) -> list[StageCost]:
-    """Per flattened stage: compute, sends at the bandwidth of the level its output boundary crosses, and a
-    hierarchical all-reduce (one ring per level its replicas span)."""
-    lay = model.layers
-    out = []
-    for t, st in enumerate(solution.stages):
-        a, b = st.start, st.end
-        p = float(lay.parameter_bytes[a:b].sum())
-        nxt = solution.stages[t + 1].in_level if t + 1 < len(solution.stages) else None
-        send = 0.0 if nxt is None else float(lay.output_bytes[b - 1]) / model.bw(nxt)
-        ar = sum(float(model.allreduce_ms(p, f, lv)) for lv, f in enumerate(st.factors) if f > 1)
-        out.append(StageCost(float(lay.forward_ms[a:b].sum()), float(lay.backward_ms[a:b].sum()), send, ar, p,
-                             float(lay.activation_bytes[a:b].sum())))
-    return out
+def layer_costs(profile: Profile, schedule: str, optimizer: str) -> LayerCosts:
+    """The profile's columns for this schedule: flush schedules and 2bw accumulate gradients over the
+    microbatches of a step (backward_accumulate_ms where profiled), async steps after every backward."""
+    return LayerCosts.of(profile.column("forward_ms"), profile.backward_column(accumulate=schedule != "async"),
+                         profile.column("output_bytes"), profile.column("activation_bytes"),
+                         profile.column("parameter_bytes"), loss_ms=profile.loss_ms or 0.0,
+                         optimizer_ms_per_byte=profile.optimizer_ms_per_byte.get(optimizer, 0.0))
 
 
 def _explain(model: CostModel, workers: int) -> PlanningError:
-    """Why no plan exists: structure (too few layers for --straight) or memory (name the stage)."""
+    """Why no plan exists: structure (--straight), the schedule's rules, or memory (name the stage)."""
+    m, L = model.microbatches, model.num_layers
+    if model.straight and workers > L:
+        return PlanningError(f"cannot place {workers} workers on {L} layers with --straight: every stage "
+                             f"needs at least one layer; use fewer workers or allow replication")
     limit = model.memory_per_worker
     model.memory_per_worker = None
     try:
-        sol = solve(model)
+        sol = _search(model)
     except PlanningError:
-        return PlanningError(f"cannot place {workers} workers on {model.num_layers} layers with --straight: "
-                             f"every stage needs at least one layer; use fewer workers or allow replication")
+        rule = {"async": "every stage's replica count must divide m",
+                "2bw": "m >= every stage's replica count and m >= stages - 1"}.get(model.schedule, "")
+        return PlanningError(f"no plan of {L} layers on {workers} workers fits --schedule {model.schedule} with "
+                             f"{m} microbatches ({rule or 'no plan'}); use another --microbatches or fewer "
+                             "workers")
     finally:
         model.memory_per_worker = limit
-    costs = stage_costs(model, sol)
-    sim = simulate(model.schedule, costs, [len(s.ranks) for s in sol.stages], model.microbatches,
-                   optimizer=model.optimizer)
+    costs, sim = sol[1], sol[2]
     s = max(range(len(costs)), key=lambda k: sim.peak_memory_bytes[k])
-    st, need, fl = sol.stages[s], sim.peak_memory_bytes[s], sim.peak_in_flight[s]
+    st, need, fl = sol[0].stages[s], sim.peak_memory_bytes[s], sim.peak_in_flight[s]
     act = fl * costs[s].activation_bytes
     return PlanningError(
         f"no plan fits --memory-per-worker {format_bytes(limit or 0)}: even the fastest plan's stage {s} "
@@ -74,67 +97,144 @@ def _explain(model: CostModel, workers: int) -> PlanningError:
         f"{format_bytes(act)}); use more workers, sgd, fewer microbatches or --schedule 1f1b")
 
 
+def _search(model: CostModel, keep_timeline: bool = False
+            ) -> tuple[Solution, list[StageCost], SimResult, dict[str, object]]:
+    """The DP's bounds ordered, the simulator deciding (partitioner/search.py)."""
+    cache: dict[tuple[tuple[int, int, tuple[int, ...]], ...], tuple[list[StageCost], SimResult]] = {}
+
+    def run(sol: Solution, timeline: bool = False) -> tuple[list[StageCost], SimResult]:
+        ranges = [(st.start, st.end) for st in sol.stages]
+        ranks = [sorted(st.ranks) for st in sol.stages]
+        key = tuple((a, b, tuple(r)) for (a, b), r in zip(ranges, ranks))
+        if key not in cache or timeline:
+            cache[key] = price(model.layers, model.topology, model.schedule, model.microbatches, ranges, ranks,
+                               optimizer=model.optimizer, keep_timeline=timeline)
+        return cache[key]
+
+    def cost(sol: Solution) -> float | None:
+        if schedule_rule(model.schedule, model.microbatches, [len(st.ranks) for st in sol.stages]):
+            return None
+        return run(sol)[1].step_ms
+
+    def work(sol: Solution) -> float:
+        """Compute actions the simulation replays (async, 2bw: two runs of several minibatches)."""
+        runs = 1 if model.schedule in FLUSH_SCHEDULES else 2 * max(2, -(-2 * model.topology.workers // m)) + 2
+        return runs * m * len(sol.stages)
+
+    m = model.microbatches
+    found = search(tabulate(model, Progress(_progress)), cost, limit=SEARCH_LIMIT, work=work, budget=SEARCH_WORK)
+    costs, sim = run(found.solution, keep_timeline)
+    # The bound is proven below the simulated time for flushed schedules on one level (tests/
+    # test_planner_bruteforce.py); elsewhere the search is the simulator's choice among the DP's best bounds.
+    exact = found.exact and model.schedule in FLUSH_SCHEDULES and len(model.topology.levels) == 1
+    info: dict[str, object] = {"bound_ms": round(found.solution.objective_ms, 6), "plans_simulated": found.simulated,
+                               "exact": exact}
+    return found.solution, costs, sim, info
+
+
+def _progress(line: str) -> None:
+    sys.stderr.write(f"pipeflow-plan: {line}\n")  # one write per line: no interleaving
+    sys.stderr.flush()
+
+
 def _plan_once(profile: Profile, model: CostModel, workers: int, keep_timeline: bool) -> Planned:
     try:
-        sol = solve(model)
+        sol, costs, sim, info = _search(model, keep_timeline)
     except PlanningError:
         raise _explain(model, workers) from None
-    costs = stage_costs(model, sol)
-    sim = simulate(model.schedule, costs, [len(s.ranks) for s in sol.stages], model.microbatches,
-                   optimizer=model.optimizer, keep_timeline=keep_timeline)
     m = model.microbatches
-    step_s = sim.step_ms / 1e3
-    predicted = {"step_ms": round(sim.step_ms, 6),
-                 "samples_per_s": round(m * profile.microbatch_size / step_s, 3) if step_s > 0 else 0.0,
-                 "bubble_fraction": round(sim.bubble_fraction, 6),
-                 "peak_memory_bytes": [float(x) for x in sim.peak_memory_bytes]}
     stages = [StagePlan((s.start, s.end), len(s.ranks), sorted(s.ranks)) for s in sol.stages]
     extra = {"planner": {"topology": str(model.topology), "optimizer": model.optimizer,
-                         "objective_ms": round(sol.objective_ms, 6), "microbatch_size": profile.microbatch_size}}
-    plan = Plan(model.schedule, m, workers, stages, predicted, extra)
-    return Planned(plan, sol, costs, sim)
+                         "objective_ms": info["bound_ms"], "microbatch_size": profile.microbatch_size,
+                         "search": info}}
+    plan = Plan(model.schedule, m, workers, stages, predicted(sim, m, profile.microbatch_size), extra)
+    return Planned(plan, costs, sim, sol)
 
 
-def plan_detailed(profile: Profile, workers: int, *, schedule: str = "1f1b", microbatches: int | str = "auto",
-                  topology: Topology | str | None = None, memory_per_worker: int | str | None = None,
-                  straight: bool = False, optimizer: str = "adam", keep_timeline: bool = False) -> Planned:
-    if not isinstance(workers, int) or workers < 1:
+def _topology(workers: int, topology: Topology | str | None) -> Topology:
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise PlanningError(f"--workers must be a positive integer, found {workers!r}")
+    if workers > MAX_WORKERS:
+        raise PlanningError(f"--workers must be at most {MAX_WORKERS} (the planner's limit), found {workers}")
     if isinstance(topology, str):
         topology = Topology.parse(topology, workers)
     topology = topology or Topology.default(workers)
     if topology.workers != workers:
         raise TopologyError(f"--workers {workers} does not match the topology {topology} "
                             f"({topology.workers} workers)")
+    return topology
+
+
+def _check_microbatches(microbatches: object) -> None:
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise PlanningError(f"--microbatches must be a positive integer or 'auto', found {microbatches!r}")
+    if microbatches > MAX_MICROBATCHES:
+        raise PlanningError(f"--microbatches must be at most {MAX_MICROBATCHES} (the planner's limit), "
+                            f"found {microbatches}")
+
+
+def plan_detailed(profile: Profile, workers: int, *, schedule: str = "1f1b", microbatches: int | str = "auto",
+                  topology: Topology | str | None = None, memory_per_worker: int | str | None = None,
+                  straight: bool = False, optimizer: str = "adam", keep_timeline: bool = False) -> Planned:
+    topo = _topology(workers, topology)
+    if microbatches != "auto":
+        _check_microbatches(microbatches)
     if isinstance(memory_per_worker, str):
         memory_per_worker = parse_bytes(memory_per_worker)
-    lay = LayerCosts.of(*(profile.column(k) for k in ("forward_ms", "backward_ms", "output_bytes",
-                                                       "activation_bytes", "parameter_bytes")))
+    if schedule not in SCHEDULES:
+        raise PlanningError(f"--schedule must be one of {', '.join(SCHEDULES)}, found {schedule!r}")
+    lay = layer_costs(profile, schedule, optimizer)
 
     def model_for(m: int) -> CostModel:
-        return CostModel(lay, topology, schedule, m, optimizer,
+        return CostModel(lay, topo, schedule, m, optimizer,
                          None if memory_per_worker is None else float(memory_per_worker), straight)
 
     if microbatches != "auto":
-        if not isinstance(microbatches, int) or isinstance(microbatches, bool):
-            raise PlanningError(f"--microbatches must be a positive integer or 'auto', found {microbatches!r}")
+        assert isinstance(microbatches, int)
         return _plan_once(profile, model_for(microbatches), workers, keep_timeline)
-    best: Planned | None = None
-    m = 1
-    while m <= AUTO_MAX_MICROBATCHES:
+    # A flushed minibatch lasts at least one microbatch's round trip through every layer, sum(t), while the
+    # work is m sum(t) over `workers` workers: the bubble 1 - m sum(t) / (workers T) can reach AUTO_BUBBLE
+    # only when m >= (1 - AUTO_BUBBLE) workers. Smaller m need not be planned.
+    least = math.ceil((1 - AUTO_BUBBLE) * workers) if schedule in FLUSH_SCHEDULES else 1
+    return _auto_microbatches(lambda m: _plan_once(profile, model_for(m), workers, keep_timeline), least)
+
+
+def _auto_microbatches(plan_at: Callable[[int], Planned], least: int = 1) -> Planned:
+    """--microbatches auto: the smallest power of two up to AUTO_MAX_MICROBATCHES whose plan's simulated
+    bubble is at most AUTO_BUBBLE, by binary search from the first power of two >= `least` (tried first:
+    usually it is the answer): the bubble shrinks as m grows, memory failures come above some m and
+    schedule-rule failures below some m. Failing that, the plan of highest simulated throughput among those
+    tried. One to four DP solves instead of up to nine."""
+    hi = AUTO_MAX_MICROBATCHES.bit_length() - 1
+    lo = min(hi, max(0, (least - 1).bit_length()))
+    found: Planned | None = None
+    fallback: Planned | None = None
+    error: PlanningError | None = None
+    first = True
+    while lo <= hi:
+        mid = lo if first else (lo + hi) // 2
+        first = False
         try:
-            got = _plan_once(profile, model_for(m), workers, keep_timeline)
-        except PlanningError:
-            if best is None:
-                raise
-            break  # memory only grows with m
-        if best is None or got.plan.predicted["samples_per_s"] > best.plan.predicted["samples_per_s"]:
-            best = got
+            got = plan_at(1 << mid)
+        except PlanningError as e:
+            memory = str(e).startswith("no plan fits --memory")
+            if error is None or memory:
+                error = e
+            if memory:
+                hi = mid - 1  # memory only grows with m
+            else:
+                lo = mid + 1  # a schedule rule (async, 2bw) may need more microbatches
+            continue
         if got.sim.bubble_fraction <= AUTO_BUBBLE:
-            best = got
-            break
-        m *= 2
-    assert best is not None
+            found, hi = got, mid - 1
+        else:
+            if fallback is None or got.plan.predicted["samples_per_s"] > fallback.plan.predicted["samples_per_s"]:
+                fallback = got
+            lo = mid + 1
+    best = found or fallback
+    if best is None:
+        assert error is not None
+        raise error
     best.plan.extra["planner"]["microbatches_rule"] = (f"smallest power of two <= {AUTO_MAX_MICROBATCHES} with "
                                                        f"simulated bubble <= {AUTO_BUBBLE}")
     return best
@@ -149,6 +249,26 @@ def plan_from_profile(profile: Profile, workers: int, *, schedule: str, microbat
                          memory_per_worker=memory_per_worker, straight=straight, optimizer=optimizer).plan
 
 
+def evaluate_plan(profile: Profile, plan: Plan, *, topology: Topology | str | None = None,
+                  optimizer: str = "adam", keep_timeline: bool = False) -> Planned:
+    """Price a given plan (hand-written or from another tool) exactly as the planner prices its own."""
+    topo = _topology(plan.workers, topology)
+    _check_microbatches(plan.microbatches)
+    plan.validate(num_layers=len(profile.layers))
+    why = schedule_rule(plan.schedule, plan.microbatches, plan.replicas)
+    if why:
+        raise PlanError(f"the plan cannot run: {why}")
+    lay = layer_costs(profile, plan.schedule, optimizer)
+    costs, sim = price(lay, topo, plan.schedule, plan.microbatches, [st.layers for st in plan.stages],
+                       [st.ranks for st in plan.stages], optimizer=optimizer, keep_timeline=keep_timeline)
+    extra = dict(plan.extra)
+    extra["planner"] = {"topology": str(topo), "optimizer": optimizer, "microbatch_size": profile.microbatch_size,
+                        "evaluated": True}
+    out = Plan(plan.schedule, plan.microbatches, plan.workers, plan.stages,
+               predicted(sim, plan.microbatches, profile.microbatch_size), extra)
+    return Planned(out, costs, sim)
+
+
 def _ranks(ranks: Sequence[int]) -> str:
     rs, parts, i = sorted(ranks), [], 0
     while i < len(rs):
@@ -161,15 +281,17 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 
 def table(p: Planned) -> str:
-    """Per stage, per minibatch and replica: compute ms, communication ms (sends both ways + all-reduce)."""
+    """Per stage, per minibatch and replica: compute ms (optimizer step included), communication ms (one
+    port's messages, each way the same, + all-reduce)."""
     m = p.plan.microbatches
     rows = [("stage", "layers", "replicas", "ranks", "compute ms", "comm ms", "memory")]
     for s, (st, c) in enumerate(zip(p.plan.stages, p.costs)):
         share = m / st.replicas
         prev_send = p.costs[s - 1].send_ms if s else 0.0
+        steps = share if p.plan.schedule == "async" else 1.0
         rows.append((str(s), f"[{st.layers[0]}, {st.layers[1]})", str(st.replicas), _ranks(st.ranks),
-                     f"{share * (c.forward_ms + c.backward_ms):.3f}",
-                     f"{share * 2 * (c.send_ms + prev_send) + c.allreduce_ms:.3f}",
+                     f"{share * (c.forward_ms + c.backward_ms) + steps * c.optimizer_ms:.3f}",
+                     f"{share * (c.send_ms + prev_send) + steps * c.allreduce_ms:.3f}",
                      format_bytes(p.sim.peak_memory_bytes[s])))
     widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
@@ -184,33 +306,61 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pipeflow-plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("profile", help="profile.json from pipeflow-profile")
-    p.add_argument("--workers", type=int, required=True)
+    p.add_argument("--workers", type=int, default=None, help="ranks to plan for (with --evaluate: the plan's)")
     p.add_argument("--topology", default=None,
                    help="levels COUNTxBANDWIDTH, innermost first, e.g. 8x300GB/s,4x25GB/s (default: one level "
                         "of all workers at 10GB/s)")
     p.add_argument("--memory-per-worker", default=None, help="bytes, e.g. 16GB, 16GiB, 1e9")
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    p.add_argument("--microbatches", default="auto", help="m, or auto (default)")
+    p.add_argument("--schedule", choices=SCHEDULES, default=None, help="default 1f1b (--evaluate: the plan's)")
+    p.add_argument("--microbatches", default=None, help="m, or auto (default; --evaluate: the plan's)")
     p.add_argument("--straight", action="store_true", help="no replicated stages")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES), default="adam")
+    p.add_argument("--evaluate", metavar="PLAN", default=None,
+                   help="price this plan.json instead of planning: write it to -o with 'predicted' filled")
     p.add_argument("-o", "--output", required=True, help="plan.json to write")
     p.add_argument("--timeline", default=None, help="draw the simulated schedule to this PNG")
     return p.parse_args(argv)
 
 
+def _microbatches(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise PlanningError(f"--microbatches must be a positive integer or 'auto', found {text!r}")
+    m = int(text)
+    _check_microbatches(m)
+    return m
+
+
+def _evaluate(args: argparse.Namespace, profile: Profile) -> Planned:
+    plan = Plan.load(args.evaluate)
+    for flag, given, own in (("--workers", args.workers, plan.workers), ("--schedule", args.schedule, plan.schedule),
+                             ("--microbatches", args.microbatches, str(plan.microbatches))):
+        if given is not None and given != own:
+            raise PlanError(f"{flag} {given} differs from the plan's {own} ({args.evaluate}); drop {flag} "
+                            "to evaluate the plan as written")
+    if args.memory_per_worker is not None or args.straight:
+        raise PlanError("--memory-per-worker and --straight shape a search; --evaluate prices the plan as written")
+    return evaluate_plan(profile, plan, topology=args.topology, optimizer=args.optimizer,
+                         keep_timeline=args.timeline is not None)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        mb: int | str = args.microbatches
-        if mb != "auto":
-            if not str(mb).isdigit() or int(mb) < 1:
-                raise PlanningError(f"--microbatches must be a positive integer or 'auto', found {mb!r}")
-            mb = int(mb)
+        if args.evaluate is None:
+            if args.workers is None:
+                raise PlanningError("--workers is required (or --evaluate PLAN)")
+            mb = _microbatches(args.microbatches or "auto")
+            _topology(args.workers, None)  # refuse sizes before reading anything
         profile = Profile.load(args.profile)
-        planned = plan_detailed(profile, args.workers, schedule=args.schedule, microbatches=mb,
-                                topology=args.topology, memory_per_worker=args.memory_per_worker,
-                                straight=args.straight, optimizer=args.optimizer,
-                                keep_timeline=args.timeline is not None)
+        if args.evaluate is not None:
+            planned = _evaluate(args, profile)
+        else:
+            planned = plan_detailed(profile, args.workers, schedule=args.schedule or "1f1b", microbatches=mb,
+                                    topology=args.topology, memory_per_worker=args.memory_per_worker,
+                                    straight=args.straight, optimizer=args.optimizer,
+                                    keep_timeline=args.timeline is not None)
         if args.timeline:
             from partitioner.timeline import draw
             draw(planned, args.timeline)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.jsonfile import read_json
+from pipeflow.schedule import SCHEDULES
 
 PLAN_FORMAT = "pipeflow.plan/1"
 
@@ -58,6 +59,8 @@ class Plan:
         raise PlanError(f"rank {rank} is in no stage of the plan (workers={self.workers})")
 
     def validate(self, *, num_layers: int | None = None, world_size: int | None = None) -> None:
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"plan.schedule must be one of {', '.join(SCHEDULES)}, found {self.schedule!r}")
         if self.microbatches < 1:
             raise PlanError(f"plan.microbatches must be >= 1, found {self.microbatches}")
         if not self.stages:

@@ -1,4 +1,11 @@
-"""profile.json (`pipeflow.profile/1`): Profile and LayerProfile dataclasses, load/save/validate (docs/formats.md)."""
+"""profile.json (`pipeflow.profile/1`): Profile and LayerProfile dataclasses, load/save/validate (docs/formats.md).
+
+Optional fields (issue 13; a file without them is read as before, and readers that ignore unknown keys
+read files with them): per layer `backward_accumulate_ms`, the backward when gradients already exist
+(every microbatch of a step but the first); at the top, `loss_ms` (the loss's forward and backward per
+microbatch) and `optimizer_ms_per_byte` ({"adam": ..., "sgd": ...}: one optimizer step per parameter byte).
+The planner uses them when present and counts them as 0 (or backward_ms) when absent.
+"""
 from __future__ import annotations
 
 import json
@@ -11,7 +18,12 @@ from partitioner.jsonfile import read_json
 
 PROFILE_FORMAT = "pipeflow.profile/1"
 LAYER_NUMBERS = ("forward_ms", "backward_ms", "output_bytes", "activation_bytes", "parameter_bytes")
+OPTIONAL_LAYER_NUMBERS = ("backward_accumulate_ms",)
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+# Upper bounds of a plausible measurement: sums over layers and microbatches must stay finite in float64
+# (a time of 1e308 ms overflows to inf once multiplied by m and used to look like "no plan").
+MAX_MS = 1e9  # 11.6 days for one layer and one microbatch
+MAX_BYTES = 2.0**60  # 1 EiB
 
 
 class ProfileError(ValueError):
@@ -32,14 +44,21 @@ class LayerProfile:
     output_bytes: int
     activation_bytes: int
     parameter_bytes: int
+    backward_accumulate_ms: float | None = None
 
     def check(self, where: str = "layer") -> None:
         if not isinstance(self.name, str):
             raise ProfileError(f"{where}.name must be a string, found {self.name!r}")
-        for key in LAYER_NUMBERS:
+        for key in LAYER_NUMBERS + OPTIONAL_LAYER_NUMBERS:
             v = getattr(self, key)
+            if v is None and key in OPTIONAL_LAYER_NUMBERS:
+                continue
             if not _is_number(v) or v < 0:
                 raise ProfileError(f"{where}.{key} must be a non-negative number, found {_show(v)}")
+            limit = MAX_MS if key.endswith("_ms") else MAX_BYTES
+            if v > limit:
+                raise ProfileError(f"{where}.{key} must be at most {limit:g} "
+                                   f"({'ms' if key.endswith('_ms') else 'bytes'}), found {_show(v)}")
 
 
 @dataclass
@@ -52,6 +71,8 @@ class Profile:
     dtype: str
     microbatch_size: int
     layers: list[LayerProfile] = field(default_factory=list)
+    loss_ms: float | None = None
+    optimizer_ms_per_byte: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -72,15 +93,34 @@ class Profile:
             raise ProfileError(f"{source}: layers is empty: expected one entry per model layer")
         for i, layer in enumerate(self.layers):
             layer.check(f"{source}: layers[{i}]")
+        if self.loss_ms is not None and (not _is_number(self.loss_ms) or not 0 <= self.loss_ms <= MAX_MS):
+            raise ProfileError(f"{source}: loss_ms must be a number in [0, {MAX_MS:g}], found {_show(self.loss_ms)}")
+        opt = self.optimizer_ms_per_byte
+        if not isinstance(opt, dict) or not all(isinstance(k, str) and _is_number(v) and 0 <= v <= MAX_MS
+                                                for k, v in opt.items()):
+            raise ProfileError(f"{source}: optimizer_ms_per_byte must map optimizer names to non-negative "
+                               f"numbers, found {_show(opt)}")
 
     # Per-layer columns, for the planner.
     def column(self, key: str) -> list[float]:
         return [float(getattr(layer, key)) for layer in self.layers]
 
+    def backward_column(self, *, accumulate: bool) -> list[float]:
+        """backward_ms, or backward_accumulate_ms where measured when gradients accumulate."""
+        return [float(x.backward_accumulate_ms if accumulate and x.backward_accumulate_ms is not None
+                      else x.backward_ms) for x in self.layers]
+
     def to_json(self) -> dict[str, Any]:
-        return {"format": PROFILE_FORMAT, "model": self.model, "model_args": self.model_args,
-                "device": self.device, "dtype": self.dtype, "microbatch_size": self.microbatch_size,
-                "layers": [asdict(layer) for layer in self.layers]}
+        d: dict[str, Any] = {"format": PROFILE_FORMAT, "model": self.model, "model_args": self.model_args,
+                             "device": self.device, "dtype": self.dtype, "microbatch_size": self.microbatch_size,
+                             "layers": [{k: v for k, v in asdict(layer).items()
+                                         if v is not None or k not in OPTIONAL_LAYER_NUMBERS}
+                                        for layer in self.layers]}
+        if self.loss_ms is not None:
+            d["loss_ms"] = self.loss_ms
+        if self.optimizer_ms_per_byte:
+            d["optimizer_ms_per_byte"] = self.optimizer_ms_per_byte
+        return d
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
@@ -104,11 +144,13 @@ class Profile:
             for key in ("name", *LAYER_NUMBERS):
                 if key not in entry:
                     raise ProfileError(f"{where}: missing field {key!r}")
-            layer = LayerProfile(**{k: entry[k] for k in ("name", *LAYER_NUMBERS)})
+            layer = LayerProfile(**{k: entry[k] for k in ("name", *LAYER_NUMBERS, *OPTIONAL_LAYER_NUMBERS)
+                                    if k in entry})
             layer.check(where)
             layers.append(layer)
         try:
-            return cls(d["model"], d.get("model_args", {}), d["device"], d["dtype"], d["microbatch_size"], layers)
+            return cls(d["model"], d.get("model_args", {}), d["device"], d["dtype"], d["microbatch_size"], layers,
+                       d.get("loss_ms"), d.get("optimizer_ms_per_byte", {}))
         except ProfileError as e:
             # __post_init__ validated with the default source name; say which file.
             raise ProfileError(str(e).replace("profile: ", f"{source}: ", 1)) from None

@@ -1,11 +1,26 @@
-"""Replays a schedule's action lists on per-stage costs: step time, bubble fraction, peak memory (pure)."""
+"""Replays a schedule's action lists on per-stage costs: step time, bubble fraction, peak memory (pure).
+
+What the replay charges, as the runtime does it (pipeflow/comm.py, pipeflow/reduce.py):
+- compute (F, B) runs on its worker in list order, waiting for the message it consumes;
+- links: each worker has one send port and one receive port (full duplex). A message occupies the sender's
+  send port and the receiver's receive port for bytes / bandwidth of the lowest topology level that holds
+  both, so all transfers through a worker share its bandwidth (three replicas feeding one worker queue at
+  its receive port). Sends are non-blocking: they overlap compute. Ports serve messages in time order;
+- STEP: the replicas' ring all-reduce (2 (r-1)/r * P / B per topology level) is bucketed into the last
+  backward, so it starts when every replica has started its last backward and ends no earlier than it
+  ends; then the local optimizer step.
+Actions are processed in time order (an event loop over workers), so port bookings are in time order too.
+"""
 from __future__ import annotations
 
+import functools
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pipeflow.schedule import Schedule, dependencies, dry_run, generate
+from partitioner.topology import Topology
+from pipeflow.schedule import Schedule, ScheduleError, add_communication, compute_order
 
 OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2}
 
@@ -13,7 +28,8 @@ OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2}
 @dataclass
 class StageCost:
     """One stage, per microbatch: compute, the transfer to the next stage (each direction, one message),
-    the all-reduce at STEP, and the bytes it holds."""
+    the all-reduce and optimizer step at STEP, and the bytes it holds. `output_bytes` with a topology
+    (see simulate) replaces `send_ms` by bytes / bandwidth of each sender-receiver pair."""
 
     forward_ms: float
     backward_ms: float
@@ -21,6 +37,8 @@ class StageCost:
     allreduce_ms: float = 0.0
     parameter_bytes: float = 0.0
     activation_bytes: float = 0.0
+    optimizer_ms: float = 0.0
+    output_bytes: float = 0.0
 
 
 @dataclass
@@ -42,59 +60,168 @@ class SimResult:
     timeline: list[Interval] = field(default_factory=list)
 
 
-def replay(sched: Schedule, stages: Sequence[StageCost]) -> tuple[float, list[float], list[Interval], list[int]]:
-    """Times every action: a compute waits for the worker's previous action and the message it consumes;
-    a SEND occupies its (src, dst) link for send_ms, messages in posting order (non-blocking, overlapped);
-    a STEP starts when all replicas reach it and lasts the stage's all-reduce.
-    Returns makespan, busy compute ms per worker, the intervals, peak in-flight per worker."""
-    deps = dependencies(sched)
-    order = dry_run(sched)  # a valid global order; deadlocks raise with the grid
-    end: list[list[float]] = [[0.0] * len(acts) for acts in sched.actions]
-    arrival: dict[tuple[int, int], float] = {}
-    link_free: dict[tuple[int, int], float] = {}
-    busy = [0.0] * len(sched.actions)
+class _Schedule(Schedule):
+    """A Schedule whose worker tables are computed once (Schedule rebuilds them on every call)."""
+
+    @functools.cached_property
+    def workers(self) -> list[tuple[int, int]]:
+        return super().workers
+
+    @functools.cached_property
+    def _stage_of(self) -> list[int]:
+        return [s for s, _ in self.workers]
+
+    def stage_of(self, worker: int) -> int:
+        return self._stage_of[worker]
+
+
+def build(name: str, stages: int, microbatches: int, replicas: Sequence[int], *,
+          minibatch: int | None = None) -> Schedule:
+    """The generated schedule, as pipeflow.schedule.generate builds it, without its validation and dry run
+    (the generators are tested; the replay below detects a deadlock itself)."""
+    reps = tuple(replicas)
+    sched = _Schedule(name, stages, microbatches, reps)
+    orders = [compute_order(name, stages, microbatches, reps, list(range(r, microbatches, reps[s])), s,
+                            minibatch=minibatch)
+              for s in range(stages) for r in range(reps[s])]
+    sched.actions = add_communication(sched, orders)
+    return sched
+
+
+def replay(sched: Schedule, stages: Sequence[StageCost], *, ranks: Sequence[Sequence[int]] | None = None,
+           topology: Topology | None = None, keep_timeline: bool = False
+           ) -> tuple[float, list[float], list[Interval], list[int]]:
+    """Times every action (see the module docstring). Returns the makespan, busy compute ms per worker,
+    the intervals (with keep_timeline) and the peak in-flight microbatches per worker."""
+    S, reps = sched.stages, sched.replicas
+    stage_of = [s for s in range(S) for _ in range(reps[s])]
+    base = [sum(reps[:s]) for s in range(S + 1)]
+    n = len(stage_of)
+    msg = _Messages(stages, stage_of, base, ranks, topology)
+    acts = sched.actions
+    pos, clock = [0] * n, [0.0] * n
+    send_free, recv_free = [0.0] * n, [0.0] * n
+    arrival: dict[tuple[int, str, int], float] = {}
+    parked: dict[tuple[int, str, int], int] = {}  # a message awaited -> the worker waiting for it
+    busy, live, peak = [0.0] * n, [0] * n, [0] * n
+    steps = [0] * n
+    last_b = [0.0] * n  # start of the worker's latest backward
+    step_in: dict[tuple[int, int], dict[int, tuple[float, float]]] = {}
+    step_end: dict[tuple[int, int], float] = {}
     intervals: list[Interval] = []
-    live = [0] * len(sched.actions)
-    peak = [0] * len(sched.actions)
-    for w, idx in order:
-        a = sched.actions[w][idx]
-        s = sched.stage_of(w)
+    heap = [(0.0, w) for w in range(n)]
+    while heap:
+        now, w = heapq.heappop(heap)
+        s, mine = stage_of[w], acts[w]
         cost = stages[s]
-        ready = end[w][idx - 1] if idx else 0.0
-        if a.kind in ("F", "B", "W"):
-            start = max([ready] + [arrival[d] for d in deps[w][idx]])
-            dur = cost.forward_ms if a.kind == "F" else (cost.backward_ms if a.kind == "B" else 0.0)
-            end[w][idx] = start + dur
-            busy[w] += dur
-            intervals.append(Interval(w, a.kind, a.microbatch, start, start + dur))
-            if a.kind == "F":
-                live[w] += 1
-                peak[w] = max(peak[w], live[w])
-            elif a.kind == "B":
-                live[w] -= 1
-        elif a.kind in ("SEND_F", "SEND_B"):
-            peer = sched.peer(w, a)
-            ms = cost.send_ms if a.kind == "SEND_F" else stages[s - 1].send_ms
-            t0 = max(ready, link_free.get((w, peer), 0.0))
-            link_free[(w, peer)] = t0 + ms
-            arrival[(w, idx)] = t0 + ms
-            end[w][idx] = ready
-        elif a.kind == "STEP":
-            start = max([ready] + [end[o][i] for o, i in deps[w][idx]])
-            ar = cost.allreduce_ms if sched.replicas[s] > 1 else 0.0
-            end[w][idx] = start + ar
-            intervals.append(Interval(w, "STEP", None, start, start + ar))
-        else:  # RECV_*: posting a receive costs nothing; the compute waits for the data
-            end[w][idx] = ready
-    makespan = max((e[-1] for e in end if e), default=0.0)
-    return makespan, busy, intervals, peak
+        while pos[w] < len(mine):
+            a = mine[pos[w]]
+            kind, i = a.kind, a.microbatch
+            if kind == "F" or kind == "B" or kind == "W":
+                start = clock[w]
+                if (kind == "F" and s > 0) or (kind == "B" and s < S - 1):
+                    key = (w, kind, i or 0)
+                    got = arrival.get(key)
+                    if got is None:
+                        parked[key] = w
+                        break
+                    if got > start:
+                        start = got
+                if start > now:  # resume in time order
+                    clock[w] = start
+                    heapq.heappush(heap, (start, w))
+                    break
+                dur = cost.forward_ms if kind == "F" else (cost.backward_ms if kind == "B" else 0.0)
+                clock[w] = start + dur
+                busy[w] += dur
+                if kind == "F":
+                    live[w] += 1
+                    peak[w] = max(peak[w], live[w])
+                elif kind == "B":
+                    live[w] -= 1
+                    last_b[w] = start
+                if keep_timeline:
+                    intervals.append(Interval(w, kind, i, start, start + dur))
+                pos[w] += 1
+                if dur > 0:
+                    heapq.heappush(heap, (clock[w], w))
+                    break
+                continue
+            if kind == "SEND_F" or kind == "SEND_B":
+                assert i is not None
+                t = s + 1 if kind == "SEND_F" else s - 1
+                peer = base[t] + i % reps[t]
+                d = msg(w, peer)
+                t0 = max(clock[w], send_free[w], recv_free[peer])
+                send_free[w] = recv_free[peer] = t0 + d
+                key = (peer, kind[-1], i)
+                arrival[key] = t0 + d
+                if key in parked:
+                    del parked[key]
+                    heapq.heappush(heap, (max(clock[peer], t0 + d), peer))
+            elif kind == "STEP":
+                group = (s, steps[w])
+                start = clock[w]
+                if reps[s] > 1:
+                    if group not in step_end:
+                        step_in.setdefault(group, {})[w] = (clock[w], last_b[w])
+                        if len(step_in[group]) < reps[s]:
+                            break  # parked until the last replica arrives
+                        arrived = step_in.pop(group)
+                        step_end[group] = max(max(r for r, _ in arrived.values()),
+                                              max(b for _, b in arrived.values()) + cost.allreduce_ms)
+                        for other in arrived:
+                            if other != w:
+                                heapq.heappush(heap, (step_end[group], other))
+                    clock[w] = max(clock[w], step_end[group])
+                clock[w] += cost.optimizer_ms
+                if keep_timeline:
+                    intervals.append(Interval(w, "STEP", None, start, clock[w]))
+                steps[w] += 1
+                pos[w] += 1
+                if clock[w] > now:
+                    heapq.heappush(heap, (clock[w], w))
+                    break
+                continue
+            # RECV_*: posting a receive costs nothing; the compute waits for the data.
+            pos[w] += 1
+    stuck = {w: p for w, p in enumerate(pos) if p < len(acts[w])}
+    if stuck:
+        what = ", ".join(f"worker {w} at {acts[w][p]}" for w, p in stuck.items())
+        raise ScheduleError(f"deadlock: {what} can never proceed\n{sched.render(stuck)}")
+    return max(clock, default=0.0), busy, intervals, peak
+
+
+class _Messages:
+    """ms of one message between two workers of neighbouring stages, computed on first use (a gradient is
+    as large as the activation it belongs to): only pairs that exchange microbatches are ever asked."""
+
+    def __init__(self, stages: Sequence[StageCost], stage_of: Sequence[int], base: Sequence[int],
+                 ranks: Sequence[Sequence[int]] | None, topology: Topology | None) -> None:
+        self.stages, self.stage_of, self.base, self.ranks, self.topology = stages, stage_of, base, ranks, topology
+        self.cache: dict[tuple[int, int], float] = {}
+
+    def __call__(self, a: int, b: int) -> float:
+        got = self.cache.get((a, b))
+        if got is None:
+            sa, sb = self.stage_of[a], self.stage_of[b]
+            s = min(sa, sb)
+            if self.ranks is not None and self.topology is not None:
+                ra, rb = self.ranks[sa][a - self.base[sa]], self.ranks[sb][b - self.base[sb]]
+                level = self.topology.level_of(ra, rb)
+                got = self.stages[s].output_bytes / (self.topology.levels[level].bandwidth / 1e3)
+            else:
+                got = self.stages[s].send_ms
+            self.cache[(a, b)] = got
+        return got
 
 
 def _stage_peaks(sched: Schedule, stages: Sequence[StageCost], peak: list[int], schedule: str,
                  optimizer: str) -> tuple[list[float], list[int]]:
     mem, fl = [], []
+    stage_of = [s for s in range(sched.stages) for _ in range(sched.replicas[s])]
     for s, cost in enumerate(stages):
-        n = max(peak[w] for w in range(len(sched.workers)) if sched.stage_of(w) == s)
+        n = max(peak[w] for w in range(len(stage_of)) if stage_of[w] == s)
         # Weight stashing (PipeDream §3.3): a version per in-flight microbatch; 2BW: two versions.
         versions = n if schedule == "async" else (1 if schedule == "2bw" else 0)
         weights = cost.parameter_bytes * (2 + OPTIMIZER_STATES[optimizer] + versions)
@@ -104,25 +231,28 @@ def _stage_peaks(sched: Schedule, stages: Sequence[StageCost], peak: list[int], 
 
 
 def simulate(schedule: str, stages: Sequence[StageCost], replicas: Sequence[int] | None = None,
-             microbatches: int = 1, *, optimizer: str = "adam", keep_timeline: bool = False) -> SimResult:
+             microbatches: int = 1, *, optimizer: str = "adam", keep_timeline: bool = False,
+             ranks: Sequence[Sequence[int]] | None = None, topology: Topology | None = None) -> SimResult:
     """Step time, bubble and memory of `schedule` over the stages. gpipe / 1f1b: one flushed minibatch.
     async / 2bw run without flush: the steady state is the difference of two runs, k and k+2 minibatches
-    long, with k large enough to fill the pipeline."""
+    long, with k large enough to fill the pipeline. With `ranks` (per stage, per replica) and `topology`,
+    each message takes StageCost.output_bytes at the bandwidth of the level joining its two ranks."""
     reps = tuple(replicas or (1,) * len(stages))
     n_workers = sum(reps)
     m = microbatches
+    kw = {"ranks": ranks, "topology": topology}
     if schedule in ("gpipe", "1f1b"):
-        sched = generate(schedule, len(stages), m, reps)
-        t, busy, iv, peak = replay(sched, stages)
+        sched = build(schedule, len(stages), m, reps)
+        t, busy, iv, peak = replay(sched, stages, keep_timeline=keep_timeline, **kw)  # type: ignore[arg-type]
         step, compute = t, sum(busy)
     else:
         k1 = max(2, math.ceil(2 * n_workers / m))
         runs = []
         for k in (k1, k1 + 2):
-            sched = generate(schedule, len(stages), k * m, reps, minibatch=m)
-            runs.append(replay(sched, stages))
+            sched = build(schedule, len(stages), k * m, reps, minibatch=m)
+            runs.append(replay(sched, stages, keep_timeline=keep_timeline and k > k1, **kw))  # type: ignore[arg-type]
         (t1, b1, _, _), (t2, b2, iv, peak) = runs
         step, compute = (t2 - t1) / 2, (sum(b2) - sum(b1)) / 2
     bubble = 1.0 - compute / (n_workers * step) if step > 0 else 0.0
     mem, fl = _stage_peaks(sched, stages, peak, schedule, optimizer)
-    return SimResult(step, max(0.0, bubble), mem, fl, sched, iv if keep_timeline else [])
+    return SimResult(step, max(0.0, bubble), mem, fl, sched, iv)

@@ -1,6 +1,7 @@
 """Hierarchical worker topology (`8x300GB/s,4x25GB/s`) and byte/bandwidth quantities with unit suffixes."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ def parse_bytes(text: str, *, what: str = "--memory-per-worker") -> int:
     if not m:
         raise TopologyError(f"{what} must be a size such as 16GB, 16GiB, 512MiB or 1e9, found {text!r}")
     value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+    if not math.isfinite(value):  # 1e400 parses as inf
+        raise TopologyError(f"{what} must be a finite size such as 16GB, found {text!r}")
     if value <= 0:
         raise TopologyError(f"{what} must be positive, found {text!r}")
     return int(value)
@@ -37,6 +40,8 @@ def parse_bandwidth(text: str) -> float:
     value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
     if m.group(3) in ("b", "bit"):
         value /= 8
+    if not math.isfinite(value):  # 1e400 parses as inf: an infinitely fast link hides every transfer
+        raise TopologyError(f"bandwidth must be a finite rate such as 300GB/s, found {text!r}")
     if value <= 0:
         raise TopologyError(f"bandwidth must be positive, found {text!r}")
     return value
@@ -72,7 +77,7 @@ class Topology:
         if not self.levels:
             raise TopologyError("a topology needs at least one level")
         for k, lv in enumerate(self.levels):
-            if lv.workers < 1 or not lv.bandwidth > 0:
+            if lv.workers < 1 or not 0 < lv.bandwidth < math.inf:
                 raise TopologyError(f"topology level {k} needs workers >= 1 and bandwidth > 0, found "
                                     f"{lv.workers}x{lv.bandwidth:g}B/s")
 

@@ -1,17 +1,23 @@
-"""Solve time of the partitioning DP (partitioner.planner.solve) over layers x workers x levels.
+"""Solve time of the partitioning DP (partitioner.planner.solve) over layers x workers x levels, and of the
+whole default `pipeflow-plan` command (DP bounds + simulator search, --microbatches auto, no memory limit).
 
-    python benchmarks/planner/bench_planner.py            # the table in README.md
-    python benchmarks/planner/bench_planner.py --quick    # the headline case only
+    python benchmarks/planner/bench_planner.py            # the tables in README.md
+    python benchmarks/planner/bench_planner.py --quick    # the headline cases only
+    python benchmarks/planner/bench_planner.py --profile  # where the default command's time goes
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import platform
+import pstats
 import time
 
 import numpy as np
 
+from partitioner.cli import plan_detailed
 from partitioner.planner import CostModel, LayerCosts, solve
+from partitioner.profile import LayerProfile, Profile
 from partitioner.topology import Topology
 
 
@@ -36,6 +42,28 @@ def time_solve(layers: int, topology: str, *, repeats: int = 3,
     return wall, cpu, stages
 
 
+def random_profile(n: int, seed: int = 0) -> Profile:
+    """random_layers as a profile.json would hold it (microbatch size 1)."""
+    lay = random_layers(n, seed)
+    return Profile("synthetic", {}, "cpu", "float32", 1,
+                   [LayerProfile(f"l{i}", float(lay.forward_ms[i]), float(lay.backward_ms[i]), int(lay.output_bytes[i]),
+                                 int(lay.activation_bytes[i]), int(lay.parameter_bytes[i])) for i in range(n)])
+
+
+def time_default_command(layers: int, topology: str) -> tuple[float, float, str]:
+    """Wall and CPU seconds of pipeflow-plan's work with default flags (1f1b, m auto, no memory limit)."""
+    prof, topo = random_profile(layers), Topology.parse(topology)
+    t0, c0 = time.perf_counter(), time.process_time()
+    got = plan_detailed(prof, topo.workers, topology=topology)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    search = got.plan.extra["planner"]["search"]
+    what = (f"m={got.plan.microbatches}, {len(got.plan.stages)} stage(s), {search['plans_simulated']} simulated, "
+            f"exact={search['exact']}")
+    return wall, cpu, what
+
+
+DEFAULT_CASES = [(512, "8x300GB/s,8x25GB/s"), (512, "16x300GB/s,4x25GB/s"), (512, "64x1GB/s")]
+
 CASES = [  # (layers, topology)
     (512, "8x300GB/s,8x25GB/s"),  # the headline: 512 layers x 64 workers x 2 levels
     (64, "8x300GB/s,8x25GB/s"), (128, "8x300GB/s,8x25GB/s"), (256, "8x300GB/s,8x25GB/s"),
@@ -48,8 +76,24 @@ CASES = [  # (layers, topology)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--profile", action="store_true", help="cProfile the default command on the headline cases")
     args = p.parse_args()
     print(f"# {platform.processor() or platform.machine()}, numpy {np.__version__}, python {platform.python_version()}")
+    if args.profile:
+        for layers, topo in DEFAULT_CASES:
+            prof = cProfile.Profile()
+            prof.enable()
+            time_default_command(layers, topo)
+            prof.disable()
+            print(f"## {layers} layers, {topo}")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(8)
+        return
+    print("| layers | topology | default command wall s | CPU s | plan |")
+    print("|---:|---|---:|---:|---|")
+    for layers, topo in DEFAULT_CASES:
+        wall, cpu, what = time_default_command(layers, topo)
+        print(f"| {layers} | {topo} | {wall:.2f} | {cpu:.2f} | {what} |", flush=True)
+    print()
     print("| layers | topology | workers | levels | wall s | CPU s | stages |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for layers, topo in CASES[:1] if args.quick else CASES:

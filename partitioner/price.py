@@ -1,0 +1,78 @@
+"""A plan's price: per-stage costs from the profile columns and the topology, the schedule's rules, and the
+simulated step time (the one figure `pipeflow-plan` optimises, reports and writes as `predicted`)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from partitioner.planner import LayerCosts
+from partitioner.simulate import SimResult, StageCost, simulate
+from partitioner.topology import Topology
+
+
+def schedule_rule(schedule: str, microbatches: int, replicas: Sequence[int]) -> str | None:
+    """Why the schedule cannot run these stages (None: it can). async: a step per microbatch on every
+    replica, all-reduced, so each replica runs as many: replicas divide m. 2bw (PipeDream-2BW §3.1): every
+    replica owns a share of each minibatch (m >= replicas) and two weight versions suffice (m >= S - 1)."""
+    m, reps = microbatches, list(replicas)
+    if schedule == "async":
+        bad = [r for r in reps if m % r]
+        if bad:
+            return (f"async needs every stage's replica count to divide the microbatches per step, found "
+                    f"replicas {reps} and --microbatches {m}")
+    elif schedule == "2bw":
+        if max(reps) > m:
+            return f"2bw needs --microbatches >= every stage's replica count, found {m} < {max(reps)}"
+        if m < len(reps) - 1:
+            return (f"2bw needs --microbatches >= stages - 1 (two weight versions), found {m} microbatches "
+                    f"for {len(reps)} stages")
+    return None
+
+
+def level_factors(ranks: Sequence[int], topology: Topology) -> list[int]:
+    """How many groups of each level the ranks span inside one group of the level above: the ring sizes
+    of a hierarchical all-reduce among them."""
+    out = []
+    for k in range(len(topology.levels)):
+        here = {r // topology.unit_size(k) for r in ranks}
+        above = {r // topology.unit_size(k + 1) for r in ranks}
+        out.append(max(1, len(here) // max(1, len(above))))
+    return out
+
+
+def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int, int]],
+                ranks: Sequence[Sequence[int]]) -> list[StageCost]:
+    """Per stage: compute (the loss on the last), its output, a ring all-reduce 2 (r-1)/r P / B for each
+    level its replicas span, the optimizer step. send_ms is for the table: one message at the bandwidth
+    between the first replicas of this stage and the next (the simulator prices every pair itself)."""
+    L, out = len(lay), []
+    for t, ((a, b), rs) in enumerate(zip(ranges, ranks)):
+        p = float(lay.parameter_bytes[a:b].sum())
+        fwd = float(lay.forward_ms[a:b].sum()) + (lay.loss_ms if b == L else 0.0)
+        nbytes = float(lay.output_bytes[b - 1]) if t + 1 < len(ranges) else 0.0
+        send = 0.0
+        if t + 1 < len(ranges):
+            send = nbytes / (topology.levels[topology.level_of(rs[0], ranks[t + 1][0])].bandwidth / 1e3)
+        ar = sum(2.0 * (f - 1) / f * p / (topology.levels[k].bandwidth / 1e3)
+                 for k, f in enumerate(level_factors(rs, topology)) if f > 1)
+        out.append(StageCost(fwd, float(lay.backward_ms[a:b].sum()), send, ar, p,
+                             float(lay.activation_bytes[a:b].sum()), lay.optimizer_ms_per_byte * p, nbytes))
+    return out
+
+
+def price(lay: LayerCosts, topology: Topology, schedule: str, microbatches: int,
+          ranges: Sequence[tuple[int, int]], ranks: Sequence[Sequence[int]], *, optimizer: str,
+          keep_timeline: bool = False) -> tuple[list[StageCost], SimResult]:
+    """Stage costs and the simulation of the plan (ranks per stage in replica order)."""
+    costs = stage_costs(lay, topology, ranges, ranks)
+    sim = simulate(schedule, costs, [len(r) for r in ranks], microbatches, optimizer=optimizer,
+                   keep_timeline=keep_timeline, ranks=ranks, topology=topology)
+    return costs, sim
+
+
+def predicted(sim: SimResult, microbatches: int, microbatch_size: int) -> dict[str, Any]:
+    step_s = sim.step_ms / 1e3
+    return {"step_ms": round(sim.step_ms, 6),
+            "samples_per_s": round(microbatches * microbatch_size / step_s, 3) if step_s > 0 else 0.0,
+            "bubble_fraction": round(sim.bubble_fraction, 6),
+            "peak_memory_bytes": [float(x) for x in sim.peak_memory_bytes]}
