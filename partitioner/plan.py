@@ -1,4 +1,4 @@
-"""plan.json (`pipeflow.plan/1`): Plan dataclasses, load/save/validate (DESIGN.md)."""
+"""plan.json (`pipeflow.plan/1`): Plan dataclasses, load/save/validate (docs/formats.md)."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""profile.json (`pipeflow.profile/1`): Profile and LayerProfile dataclasses, load/save/validate (DESIGN.md).
+"""profile.json (`pipeflow.profile/1`): Profile and LayerProfile dataclasses, load/save/validate (docs/formats.md).
 
 Optional fields (issue 13; a file without them is read as before, and readers that ignore unknown keys
 read files with them): per layer `backward_accumulate_ms`, the backward when gradients already exist

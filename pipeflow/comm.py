@@ -160,7 +160,7 @@ class P2P:
         """Sends to keep before waiting for the oldest (Engine._send_window: what the schedule keeps in
         flight, with slack). Once a rank has posted that many later sends, the peers have answered later
         microbatches than the oldest, and they receive in order: its receive is posted, so waiting for it
-        cannot deadlock. Memory held by sends then does not grow with m (DESIGN.md, Equivalence)."""
+        cannot deadlock. Memory held by sends then does not grow with m (docs/schedules.md, Flush schedules)."""
         self.window = window
 
     def _reap(self) -> None:

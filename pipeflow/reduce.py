@@ -17,7 +17,7 @@ class GradReducer:
     order (the order backward finishes them) and are launched strictly in index order, so every member
     issues the same collectives.
 
-    No gradient is not a zero gradient (DESIGN.md, Reproducibility): each bucket carries one presence flag
+    No gradient is not a zero gradient (docs/reproducibility.md, Optimizer): each bucket carries one presence flag
     per parameter; a parameter no member produced a gradient for keeps grad=None, so momentum, weight decay
     and AdamW leave it alone as torch.optim does in one process; one that some members produced gets the
     sum, absent counting as zero.

@@ -1,4 +1,4 @@
-"""The model contract: a layer list, a loss and a dataset (DESIGN.md, Commands)."""
+"""The model contract: a layer list, a loss and a dataset (README, Commands)."""
 from __future__ import annotations
 
 import importlib
@@ -35,7 +35,7 @@ class ModelSpec:
 
 def model_dtype(module: nn.Module) -> torch.dtype | None:
     """The dtype of the first floating-point parameter: what a model built without --dtype computes in
-    (DESIGN.md, Reproducibility); None when it has none."""
+    (docs/reproducibility.md); None when it has none."""
     return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
 
 
@@ -99,7 +99,7 @@ def _stdlib(module: str | None) -> bool:
 
 
 def build_model(model: str, model_args: dict[str, Any] | None = None, *, seed: int = 0) -> ModelSpec:
-    """Seed, then build: every rank gets the weights a single process would (DESIGN.md, Reproducibility)."""
+    """Seed, then build: every rank gets the weights a single process would (docs/reproducibility.md)."""
     builder = resolve_builder(model)
     torch.manual_seed(seed)
     try:

@@ -1,6 +1,6 @@
 """One stage's layers: forward and backward per microbatch, keeping what backward needs in between.
 
-Randomness inside layers (dropout) follows DESIGN.md, Reproducibility: before global layer i runs on
+Randomness inside layers (dropout) follows docs/reproducibility.md: before global layer i runs on
 global microbatch t, the default generators of the stage's device (and the CPU one) are seeded with
 ``layer_seed(seed, t, i)``, so what a layer draws depends on (seed, t, i) alone, never on the plan, the
 replica or the rank. The seed is a splitmix64 chain (Steele et al., OOPSLA'14)::

@@ -1,6 +1,6 @@
 """Weight versions for the asynchronous schedules: PipeDream weight stashing, vertical sync and 2BW.
 
-Semantics (DESIGN.md, Schedules). Version k of a stage is its weights after k optimizer updates.
+Semantics (docs/schedules.md). Version k of a stage is its weights after k optimizer updates.
 A microbatch t runs its forward *and* its backward with one version v_s(t); its gradient is
 applied to the latest weights (PipeDream SOSP'19 §3.3, weight stashing):
 
@@ -16,7 +16,7 @@ At every STEP the replicas all-reduce their gradients, so one update consumes on
 replica: for ``async`` update u of the stage takes the *mean* of the gradients of microbatches
 ur .. ur+r-1 (each of loss scale 1): PipeDream's replicas are data-parallel (DDP) workers, so a
 replicated stage steps with the same learning rate per update as the others, on r times the samples
-(DESIGN.md, Equivalence); for ``2bw`` it sums the replicas' shares of minibatch u (loss / m each: the
+(docs/schedules.md, Replicas); for ``2bw`` it sums the replicas' shares of minibatch u (loss / m each: the
 minibatch mean, as in the flush schedules). With replicas, v_s(t) generalises to the version that
 is current at F(t): max(0, floor(t / r_s) - w_s), w_s = schedule.warmup_forwards(replicas, s);
 vertical sync uses, on every stage, the updates built from the c(t) = r_0 * v_0(t) microbatches

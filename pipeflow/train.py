@@ -217,13 +217,47 @@ def make_optimizer(args: argparse.Namespace) -> Any:
 
 
 def setup_logging(rank: int, size: int) -> None:
+    """A handler once per process (basicConfig does nothing the second time); the level from
+    $PIPEFLOW_LOG at every call, so that each run of main() in one process gets its own."""
     prefix = f"[rank {rank}] " if size > 1 else ""
     try:
         level = config.log_level(os.environ.get("PIPEFLOW_LOG"))
     except config.ConfigError:
         level = logging.INFO  # reported by check_args, once, with the other set-up errors
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format=f"{prefix}%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=level, stream=sys.stderr, format=f"{prefix}%(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(level)
+
+
+class ProcessState:
+    """Process-wide state a run changes, saved before and restored after it, so that main() can run
+    many times in one process (tests/mpi_batch.py runs a test suite's cases in one MPI job) with no
+    run seeing another's: the global RNGs (build_model seeds them), the default dtype, the SIGTERM /
+    SIGINT handlers (an agreed stop returns before Supervisor.close restores them), the log level."""
+
+    def __init__(self) -> None:
+        import signal
+
+        from pipeflow.failure import SignalStop
+
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.dtype = torch.get_default_dtype()
+        self.signals = {s: signal.getsignal(s) for s in SignalStop.SIGNALS}
+        self.log_level = logging.getLogger().level
+
+    def restore(self) -> None:
+        import signal
+        import threading
+
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        torch.set_default_dtype(self.dtype)
+        logging.getLogger().setLevel(self.log_level)
+        if threading.current_thread() is threading.main_thread():
+            for s, handler in self.signals.items():
+                if handler is not None:
+                    signal.signal(s, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipeflow.failure import Watchdog, write_pid_file
 
-    comm = MPI.COMM_WORLD
+    comm = MPI.COMM_WORLD  # MPI is initialised once per process, by the import
+    state = ProcessState()
     setup_logging(comm.Get_rank(), comm.Get_size())
     write_pid_file()
     # Peer heartbeats: a rank that dies or stops ends the job within --timeout, even where MPI would wait.
@@ -245,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     atexit.register(watchdog.stop)
     try:
         code = _main(args, comm, watchdog)
+        watchdog.stop(sync=True)  # _main returns on all ranks together: none beats at a finalised peer
     except KeyboardInterrupt:  # SIGINT outside the training steps (which stop at a boundary): set-up, save
         if comm.Get_rank() == 0:
             from pipeflow.failure import say
@@ -252,7 +288,12 @@ def main(argv: list[str] | None = None) -> int:
             say("pipeflow-train: stopped by SIGINT outside the training steps; nothing saved")
         sys.stderr.flush()
         os._exit(130)  # 128 + SIGINT; threads may be inside gloo: leave without unwinding them
-    watchdog.stop(sync=True)  # _main returns on all ranks together: none beats at a finalised peer
+    finally:
+        watchdog.stop()
+        atexit.unregister(watchdog.stop)
+        if torch.distributed.is_initialized():  # an agreed stop or error returns with the group still up
+            torch.distributed.destroy_process_group()
+        state.restore()
     return code
 
 

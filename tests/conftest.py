@@ -1,17 +1,68 @@
-"""Shared helpers: run pipeflow under mpirun with a timeout, and single-process references."""
+"""Shared helpers: distributed test cases batched into one `mpirun` per -np, `run_mpi` for a run of its
+own, and `write_plan`.
+
+Batched distributed tests
+-------------------------
+Starting `mpirun -np N python -m pipeflow.train` costs ~11 s (python, torch, mpi4py, and ~3.5 s of
+torch._dynamo, which torch.optim imports at the first optimizer step) for well under a second of training
+in a test. So a distributed test declares its run as a *case* and asserts on the case's outputs; the
+cases of all selected tests (`-k` selects fewer) go to one `mpirun -np N python -m tests.mpi_batch
+cases.json` per -np, which runs them one after the other in the same processes (tests/mpi_batch.py;
+mpi4py's own suite runs one file under N processes the same way). To write one:
+
+    def case(d: Path, schedule: str) -> Case:           # d: the case's own directory
+        return Case(2, ["--model", "mlp", "--schedule", schedule, "--save", str(d / "model.pt")])
+
+    @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+    @batched(case)                                       # the marker mpi(case)
+    def test_something(mpi: MpiRun, schedule: str) -> None:
+        got = torch.load(mpi.dir / "model.pt")          # mpi.proc: its CompletedProcess (stderr, returncode)
+
+Moving a test onto it: the `run_mpi(np, args, env=..., timeout=...)` of its body becomes a builder
+returning `Case(np, args, env=..., timeout=...)`, with paths under the builder's `d` instead of `tmp_path`;
+the test takes `mpi` and reads its files from `mpi.dir` and the output from `mpi.proc.stderr`.
+
+- The builder gets the directory and those of the test's parameters that its signature names; it runs
+  when the first batched test is set up (for every selected test at once), so it may write input files
+  (plans) into the directory.
+- It may return a list of cases: they run in that order (later ones may read what earlier ones wrote,
+  e.g. a checkpoint to resume; -np may differ between them), and `mpi.procs` holds one result each.
+- Tests batched with the same builder and parameters share one run (a module's common run).
+- `mpi.proc.stdout` / `.stderr` are the ranks' outputs of that case, one rank after the other (not
+  interleaved as mpirun prints them); `.returncode` is the first non-zero rank exit code, or 0.
+- By default a non-zero exit fails the test with the run's output; `Case(check=False)` for a run that
+  returns non-zero on purpose (then assert on `mpi.proc.returncode`).
+- Runs that are meant to fail or abort (bad input, signals, dead or stopped ranks, NaN) stay launches
+  of their own (`run_mpi`, or Popen for signals): one that calls MPI Abort would end the whole batch.
+- `PIPEFLOW_TEST_NO_BATCH=1` runs every case as its own `mpirun -np N python -m pipeflow.train`, for
+  debugging one; a case that hangs or crashes in a batch is reported with its output, and the cases
+  after it run in a new batch.
+- Every launch has a timeout: `Case.timeout` per case (the batch driver dumps the stacks and ends the
+  job when a case runs past it), their sum plus start-up for the batch's mpirun.
+"""
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parent.parent
 MPIRUN = os.environ.get("PIPEFLOW_MPIRUN") or shutil.which("mpirun", path=str(BIN)) or shutil.which("mpirun")
+BATCHES = pytest.StashKey["Batches"]()
+BATCH_STARTUP_S = 120.0  # what a batch's mpirun may take beyond its cases' timeouts (start-up, loaded machine)
 
 
 def mpi_env() -> dict[str, str]:
@@ -20,12 +71,16 @@ def mpi_env() -> dict[str, str]:
     return env
 
 
-def run_mpi(np: int, args: list[str], *, timeout: float = 180, module: str = "pipeflow.train",
-            check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`mpirun -np N python -m module args`; a hang fails the test through the timeout."""
+def _mpirun() -> str:
     if MPIRUN is None:
         pytest.fail("mpirun not found: install the package (it depends on mpich) or set PIPEFLOW_MPIRUN")
-    cmd = [MPIRUN, "-np", str(np), sys.executable, "-m", module, *args]
+    return MPIRUN
+
+
+def run_mpi(np: int, args: list[str], *, timeout: float = 180, module: str = "pipeflow.train",
+            check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`mpirun -np N python -m module args`, a launch of its own; a hang fails the test through the timeout."""
+    cmd = [_mpirun(), "-np", str(np), sys.executable, "-m", module, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**mpi_env(), **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout}\n"
@@ -43,3 +98,229 @@ def write_plan(path: Path, schedule: str, m: int, stages: list[tuple[int, int]])
     path.write_text(json.dumps({"format": "pipeflow.plan/1", "schedule": schedule, "microbatches": m,
                                 "workers": ranks, "stages": out}))
     return ranks
+
+
+# ------------------------------------------------------------------------------ batched cases
+
+
+@dataclass
+class Case:
+    """One `pipeflow-train` run: `mpirun -np np pipeflow-train args`, with `env` added."""
+
+    np: int
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    timeout: float = 120.0
+    check: bool = True
+
+
+@dataclass
+class MpiRun:
+    """What a test batched with `build` gets: its directory and one result per case (ranks' output joined
+    in rank order, the first non-zero rank exit code, as mpirun reports them)."""
+
+    dir: Path
+    procs: list[subprocess.CompletedProcess[str]]
+
+    @property
+    def proc(self) -> subprocess.CompletedProcess[str]:
+        return self.procs[-1]
+
+
+Builder = Callable[..., "Case | list[Case]"]
+
+
+@dataclass
+class _Step:
+    key: str
+    index: int
+    case: Case
+    out: Path
+    proc: subprocess.CompletedProcess[str] | None = None
+
+
+def batched(build: Builder) -> pytest.MarkDecorator:
+    """`@batched(build)`: the test's run is `build(directory, **its parameters)`, batched (module docstring)."""
+    return pytest.mark.mpi.with_args(build)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "mpi(build): a distributed test whose run is batched (tests/conftest.py)")
+
+
+def _builder(item: pytest.Item) -> Builder | None:
+    marker = item.get_closest_marker("mpi")
+    return marker.args[0] if marker is not None else None
+
+
+def _params(item: pytest.Item, build: Builder) -> dict[str, Any]:
+    names = list(inspect.signature(build).parameters)[1:]
+    callspec = getattr(item, "callspec", None)
+    given = callspec.params if callspec is not None else {}
+    missing = [n for n in names if n not in given]
+    if missing:
+        raise pytest.UsageError(f"{item.nodeid}: the mpi builder {build.__qualname__} needs {missing}, which the "
+                                "test is not parametrized with")
+    return {n: given[n] for n in names}
+
+
+def _key(build: Builder, params: dict[str, Any]) -> str:
+    return f"{build.__module__}.{build.__qualname__}[{','.join(f'{k}={v!r}' for k, v in sorted(params.items()))}]"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """pytest-timeout covers fixtures too: the first test of a batch waits for the whole batch."""
+    for item in items:
+        if _builder(item) is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(1800))
+
+
+class Batches:
+    """The selected tests' cases, grouped by -np, run on demand (all groups a test's cases need, and the
+    groups those must follow)."""
+
+    def __init__(self, items: list[pytest.Item], root: Path) -> None:
+        self.root = root
+        self.dirs: dict[str, Path] = {}
+        self.steps: dict[str, list[_Step]] = {}
+        for item in items:
+            build = _builder(item)
+            if build is None:
+                continue
+            params = _params(item, build)
+            key = _key(build, params)
+            if key in self.steps:
+                continue
+            d = root / re.sub(r"[^A-Za-z0-9_.=-]+", "_", key)[-120:]
+            d.mkdir(parents=True)
+            made = build(d, **params)
+            cases = made if isinstance(made, list) else [made]
+            self.dirs[key] = d
+            self.steps[key] = [_Step(key, i, c, d / ".mpi" / f"case{i}") for i, c in enumerate(cases)]
+        self.order = self._group_order()
+        self.done: set[int] = set()
+        self.launches: list[tuple[int, int, float]] = []  # (-np, cases, seconds) of each mpirun
+
+    def _group_order(self) -> list[int]:
+        """The -np groups in an order that runs each test's cases in theirs (first seen first)."""
+        seen: list[int] = []
+        after: dict[int, set[int]] = {}
+        for steps in self.steps.values():
+            for a, b in zip(steps, steps[1:]):
+                if a.case.np != b.case.np:
+                    after.setdefault(b.case.np, set()).add(a.case.np)
+            for s in steps:
+                if s.case.np not in seen:
+                    seen.append(s.case.np)
+        order: list[int] = []
+        while len(order) < len(seen):
+            ready = [n for n in seen if n not in order and after.get(n, set()) <= set(order)]
+            if not ready:
+                raise pytest.UsageError(f"mpi cases need the -np groups in a cycle: {after}; split a test's cases")
+            order.append(ready[0])
+        return order
+
+    def result(self, key: str) -> MpiRun:
+        needed = {s.case.np for s in self.steps[key]}
+        for n in self.order:
+            if not needed - self.done:
+                break
+            if n not in self.done:
+                self.done.add(n)
+                self._run_group(n)
+        steps = self.steps[key]
+        assert all(s.proc is not None for s in steps)
+        return MpiRun(self.dirs[key], [s.proc for s in steps if s.proc is not None])
+
+    def _run_group(self, n: int) -> None:
+        todo = [s for steps in self.steps.values() for s in steps if s.case.np == n]
+        # Within a test, its cases in order; tests in collection order.
+        if os.environ.get("PIPEFLOW_TEST_NO_BATCH") == "1":
+            for s in todo:
+                t0 = time.monotonic()
+                s.proc = run_mpi(n, s.case.args, timeout=s.case.timeout, check=False, env=s.case.env)
+                self.launches.append((n, 1, time.monotonic() - t0))
+            return
+        attempt = 0
+        while todo:
+            attempt += 1
+            todo = self._launch(n, todo, self.root / f"np{n}-batch{attempt}.json")
+
+    def _launch(self, n: int, todo: list[_Step], path: Path) -> list[_Step]:
+        """One mpirun for `todo`; returns the cases after the first that did not finish (to run again)."""
+        path.write_text(json.dumps([{"id": s.key, "args": s.case.args, "env": s.case.env, "timeout": s.case.timeout,
+                                     "out": str(s.out)} for s in todo], indent=1))
+        cmd = [_mpirun(), "-np", str(n), sys.executable, "-m", "tests.mpi_batch", str(path)]
+        limit = BATCH_STARTUP_S + sum(s.case.timeout for s in todo)
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=mpi_env(),
+                                cwd=ROOT, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=limit)
+            why = f"the batch exited {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # mpirun and the ranks it started
+            out, err = proc.communicate()
+            why = f"the batch ran past its timeout of {limit:.0f} s"
+        self.launches.append((n, len(todo), time.monotonic() - t0))
+        for i, s in enumerate(todo):
+            codes = [_read_code(s.out / f"rank{r}.json") for r in range(n)]
+            if all(c is not None for c in codes):
+                s.proc = _completed(s, codes)
+                continue
+            tail = (f"\n--- {' '.join(cmd)}: {why} before this case finished\n"
+                    f"stdout:\n{out[-5000:]}\nstderr:\n{err[-5000:]}")
+            s.proc = _completed(s, codes, extra=tail)
+            return todo[i + 1:]
+        return []
+
+
+def _read_code(path: Path) -> int | None:
+    try:
+        return int(json.loads(path.read_text())["returncode"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _completed(s: _Step, codes: list[int | None], extra: str = "") -> subprocess.CompletedProcess[str]:
+    def joined(suffix: str) -> str:
+        parts = []
+        for r in range(len(codes)):
+            f = s.out / f"rank{r}.{suffix}"
+            parts.append(f.read_text(errors="replace") if f.is_file() else "")
+        return "".join(parts)
+
+    code = next((c for c in codes if c), 0) if all(c is not None for c in codes) else 1
+    args = [str(MPIRUN), "-np", str(s.case.np), sys.executable, "-m", "pipeflow.train", *s.case.args]
+    return subprocess.CompletedProcess(args, code, joined("out"), joined("err") + extra)
+
+
+@pytest.fixture(scope="session")
+def _mpi_batches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Batches:
+    batches = Batches(request.session.items, tmp_path_factory.mktemp("mpi"))
+    request.config.stash[BATCHES] = batches
+    return batches
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    batches = config.stash.get(BATCHES, None)
+    if batches is None or not batches.launches:
+        return
+    runs = ", ".join(f"-np {n}: {k} case{'s' * (k != 1)} in {t:.0f} s" for n, k, t in batches.launches)
+    terminalreporter.write_line(f"batched distributed cases: {len(batches.launches)} mpirun launches ({runs})")
+
+
+@pytest.fixture
+def mpi(request: pytest.FixtureRequest, _mpi_batches: Batches) -> MpiRun:
+    """The outputs of this test's batched case(s) (`@batched(build)`, see the module docstring)."""
+    build = _builder(request.node)
+    if build is None:
+        pytest.fail("the mpi fixture needs @batched(build) on the test")
+    key = _key(build, _params(request.node, build))
+    run = _mpi_batches.result(key)
+    for i, (s, proc) in enumerate(zip(_mpi_batches.steps[key], run.procs)):
+        if s.case.check and proc.returncode != 0:
+            raise AssertionError(f"case {i + 1} of {len(run.procs)}: {' '.join(map(str, proc.args))} exited "
+                                 f"{proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return run

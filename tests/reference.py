@@ -1,4 +1,4 @@
-"""Single-process training that pipeflow's distributed runs must equal (DESIGN.md, Equivalence)."""
+"""Single-process training that pipeflow's distributed runs must equal (docs/reproducibility.md, What a run equals)."""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,7 @@ def make_optimizer(name: str, params: Any, lr: float, momentum: float = 0.0) -> 
 
 
 def seed_of(seed: int, t: int, i: int) -> int:
-    """DESIGN.md, Reproducibility, written here apart from pipeflow: the seed of layer i on microbatch t
+    """docs/reproducibility.md, written here apart from pipeflow: the seed of layer i on microbatch t
     is a splitmix64 chain over (seed, t, i), as a 63-bit number."""
     word = 2**64
 
@@ -65,7 +65,7 @@ def args_json(d: dict[str, Any]) -> str:
 
 def weight_versions(schedule: str, replicas: list[int], *, minibatch: int,
                     vertical_sync: bool = False) -> list[Callable[[int], int]]:
-    """Per stage, t -> the weight version microbatch t uses (DESIGN.md, Schedules; stash.py's docstring).
+    """Per stage, t -> the weight version microbatch t uses (docs/schedules.md; stash.py's docstring).
 
     async: stage s uses the version current at its forward in 1F1B(-RR), max(0, t // r_s - w_s) with
     w_s = ceil(sum(r[s:]) / r_s) - 1 warm-up forwards (no replicas: max(0, t - n + j), j = s + 1);

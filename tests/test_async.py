@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from torch import nn
 
 from pipeflow.schedule import ScheduleError, generate
 from pipeflow.stash import StashPolicy, VersionBook, simulate, version_fn
-from tests.conftest import run_mpi, write_plan
+from tests.conftest import Case, MpiRun, batched, write_plan
 from tests.reference import reference_delayed, reference_flush, weight_versions
 
 MODELS = {"mlp": {"layers": 6, "hidden": 16, "d_in": 8, "samples": 256},
@@ -167,20 +168,27 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_async_equals_delayed_reference(tmp_path, case):
+def delayed(d: Path, case: str) -> Case:
     model, schedule, stages, m, steps, opt = CASES[case]
     vsync = schedule == "vsync"
     schedule = "async" if vsync else schedule
-    plan = tmp_path / "plan.json"
+    plan = d / "plan.json"
     np_ = write_plan(plan, schedule, m, stages)
-    out = tmp_path / "model.pt"
     lr = 0.05 if opt == "sgd" else 0.01
-    run_mpi(np_, ["--model", model, "--model-args", json.dumps(MODELS[model]), "--plan", str(plan),
-                  "--steps", str(steps), "--microbatch-size", str(B), "--optimizer", opt, "--lr", str(lr),
-                  "--momentum", "0.9" if opt == "sgd" else "0", "--dtype", "float64", "--device", "cpu",
-                  "--save", str(out)] + (["--vertical-sync"] if vsync else []))
-    got = torch.load(out, weights_only=True)
+    return Case(np_, ["--model", model, "--model-args", json.dumps(MODELS[model]), "--plan", str(plan),
+                      "--steps", str(steps), "--microbatch-size", str(B), "--optimizer", opt, "--lr", str(lr),
+                      "--momentum", "0.9" if opt == "sgd" else "0", "--dtype", "float64", "--device", "cpu",
+                      "--save", str(d / "model.pt")] + (["--vertical-sync"] if vsync else []))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@batched(delayed)
+def test_async_equals_delayed_reference(mpi: MpiRun, case):
+    model, schedule, stages, m, steps, opt = CASES[case]
+    vsync = schedule == "vsync"
+    schedule = "async" if vsync else schedule
+    lr = 0.05 if opt == "sgd" else 0.01
+    got = torch.load(mpi.dir / "model.pt", weights_only=True)
     kw = dict(steps=steps, microbatches=m, microbatch_size=B, optimizer=opt, lr=lr,
               momentum=0.9 if opt == "sgd" else 0.0)
     want = reference_delayed(model, MODELS[model], schedule=schedule, stages=stages, vertical_sync=vsync, **kw)

@@ -6,11 +6,12 @@ import json
 import os
 import re
 import signal
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import run_mpi, write_plan
+from tests.conftest import Case, MpiRun, batched, write_plan
 from tests.reference import reference_delayed
 from tests.test_failures import LONG, finish, start
 
@@ -34,15 +35,20 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_segmented_run_equals_segmented_reference(tmp_path, case):
+def segmented(d: Path, case: str) -> Case:
     schedule, stages, m = CASES[case]
-    plan = tmp_path / "plan.json"
+    plan = d / "plan.json"
     np_ = write_plan(plan, schedule, m, stages)
-    out = tmp_path / "model.pt"
+    return Case(np_, [*train_args(plan, 5, 2, d / "ck"), "--save", str(d / "model.pt")])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@batched(segmented)
+def test_segmented_run_equals_segmented_reference(mpi: MpiRun, case):
+    tmp_path = mpi.dir
+    schedule, stages, m = CASES[case]
     steps, every = 5, 2
-    run_mpi(np_, [*train_args(plan, steps, every, tmp_path / "ck"), "--save", str(out)], timeout=120)
-    got = torch.load(out, weights_only=True)
+    got = torch.load(tmp_path / "model.pt", weights_only=True)
     kw = dict(schedule=schedule, stages=stages, steps=steps, microbatches=m, microbatch_size=B, optimizer="sgd",
               lr=0.05, momentum=0.9)
     want = reference_delayed("mlp", MLP, segment=every * m, **kw)
@@ -57,18 +63,27 @@ def test_segmented_run_equals_segmented_reference(tmp_path, case):
     assert all((tmp_path / "ck" / d / "COMPLETE").is_file() for d in ("step-000002", "step-000004", "step-000005"))
 
 
-@pytest.mark.parametrize("schedule", ["async", "2bw"])
-def test_resume_equals_uninterrupted_run(tmp_path, schedule):
-    plan = tmp_path / "plan.json"
+def resumed_and_whole(d: Path, schedule: str) -> list[Case]:
+    """4 steps with checkpoints, then 6 resumed from them, and 6 uninterrupted (the resume adds only
+    step-000006 to ck/: step-000004 is the first run's)."""
+    plan = d / "plan.json"
     np_ = write_plan(plan, schedule, 3, [(3, 1), (3, 1)])
+    ck = d / "ck"
+    return [Case(np_, train_args(plan, 4, 2, ck, "adam")),
+            Case(np_, [*train_args(plan, 6, 2, ck, "adam"), "--resume", "--save", str(d / "resumed.pt")],
+                 env={"PIPEFLOW_LOG": "INFO"}),
+            Case(np_, [*train_args(plan, 6, 2, d / "ck2", "adam"), "--save", str(d / "whole.pt")])]
+
+
+@pytest.mark.parametrize("schedule", ["async", "2bw"])
+@batched(resumed_and_whole)
+def test_resume_equals_uninterrupted_run(mpi: MpiRun, schedule):
+    tmp_path = mpi.dir
     ck = tmp_path / "ck"
-    run_mpi(np_, train_args(plan, 4, 2, ck, "adam"), timeout=120)
     assert (ck / "step-000004" / "COMPLETE").is_file()
     resumed, whole = tmp_path / "resumed.pt", tmp_path / "whole.pt"
-    proc = run_mpi(np_, [*train_args(plan, 6, 2, ck, "adam"), "--resume", "--save", str(resumed)], timeout=120,
-                   env={"PIPEFLOW_LOG": "INFO"})
+    proc = mpi.procs[1]
     assert "continuing after step 4" in proc.stderr and "Traceback" not in proc.stderr
-    run_mpi(np_, [*train_args(plan, 6, 2, tmp_path / "ck2", "adam"), "--save", str(whole)], timeout=120)
     a, b = torch.load(resumed, weights_only=True), torch.load(whole, weights_only=True)
     assert list(a) == list(b)
     for k in a:

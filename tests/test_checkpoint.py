@@ -15,7 +15,7 @@ from pipeflow.checkpoint import CheckpointError
 from pipeflow.engine import WeightPolicy
 from pipeflow.spec import build_model
 from pipeflow.stage import Stage
-from tests.conftest import run_mpi
+from tests.conftest import Case, MpiRun, batched
 from tests.reference import reference_flush
 
 MLP = {"layers": 6, "hidden": 16, "d_in": 8, "samples": 256}
@@ -145,43 +145,49 @@ def test_file_needing_unsafe_pickle_is_refused(tmp_path):
 # ------------------------------------------------------------------------------ under mpirun
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
-    out = tmp_path_factory.mktemp("u") / "model.pt"
-    run_mpi(2, [*COMMON, "--microbatches", "4", "--steps", "10", "--save", str(out)], timeout=120)
-    return torch.load(out, weights_only=True)
+def uninterrupted(d: Path) -> Case:
+    return Case(2, [*COMMON, "--microbatches", "4", "--steps", "10", "--save", str(d / "uninterrupted.pt")])
 
 
-@pytest.fixture(scope="module")
-def stopped_at_7(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("ck")
-    run_mpi(2, [*COMMON, "--microbatches", "4", "--steps", "7", "--checkpoint-dir", str(root),
-                "--checkpoint-every", "5"], timeout=120)
-    return root
+def stopped_at_7(d: Path) -> Case:
+    return Case(2, [*COMMON, "--microbatches", "4", "--steps", "7", "--checkpoint-dir", str(d / "ck"),
+                    "--checkpoint-every", "5"])
 
 
-def test_resume_is_exact(tmp_path, uninterrupted, stopped_at_7):
-    assert sorted(p.name for p in stopped_at_7.iterdir()) == ["pipeflow.lock", "step-000005", "step-000007"]
-    assert sorted(p.name for p in (stopped_at_7 / "step-000005").iterdir()) == [
+def resume_same_plan(d: Path) -> list[Case]:
+    return [uninterrupted(d), stopped_at_7(d),
+            Case(2, [*COMMON, "--microbatches", "4", "--steps", "10", "--resume", str(d / "ck" / "step-000005"),
+                     "--save", str(d / "resumed.pt")])]
+
+
+@batched(resume_same_plan)
+def test_resume_is_exact(mpi: MpiRun):
+    stopped = mpi.dir / "ck"
+    assert sorted(p.name for p in stopped.iterdir()) == ["pipeflow.lock", "step-000005", "step-000007"]
+    assert sorted(p.name for p in (stopped / "step-000005").iterdir()) == [
         "COMPLETE", "stage-000.pt", "stage-001.pt"]
-    out = tmp_path / "resumed.pt"
-    run_mpi(2, [*COMMON, "--microbatches", "4", "--steps", "10", "--resume", str(stopped_at_7 / "step-000005"),
-                "--save", str(out)], timeout=120)
-    got = torch.load(out, weights_only=True)
-    assert list(got) == list(uninterrupted)
+    got = torch.load(mpi.dir / "resumed.pt", weights_only=True)
+    whole = torch.load(mpi.dir / "uninterrupted.pt", weights_only=True)
+    assert list(got) == list(whole)
     for k in got:
-        assert torch.equal(got[k], uninterrupted[k]), k
+        assert torch.equal(got[k], whole[k]), k
 
 
-def test_resume_under_other_plan_and_workers(tmp_path, uninterrupted, stopped_at_7):
+def resume_other_plan(d: Path) -> list[Case]:
     # 3 workers, stage 1 replicated, other split; 2 microbatches of 4 = the same 8 samples per step.
     plan = {"format": "pipeflow.plan/1", "schedule": "gpipe", "microbatches": 2, "workers": 3,
             "stages": [{"layers": [0, 2], "replicas": 1, "ranks": [0]},
                        {"layers": [2, 6], "replicas": 2, "ranks": [1, 2]}]}
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    args = [*COMMON, "--plan", str(tmp_path / "plan.json"), "--microbatch-size", "4", "--steps", "10",
-            "--resume", str(stopped_at_7 / "step-000005"), "--save", str(tmp_path / "resumed.pt")]
-    run_mpi(3, args, timeout=120)
+    (d / "plan.json").write_text(json.dumps(plan))
+    args = [*COMMON, "--plan", str(d / "plan.json"), "--microbatch-size", "4", "--steps", "10",
+            "--resume", str(d / "ck" / "step-000005"), "--save", str(d / "resumed.pt")]
+    return [uninterrupted(d), stopped_at_7(d), Case(3, args)]
+
+
+@batched(resume_other_plan)
+def test_resume_under_other_plan_and_workers(mpi: MpiRun):
+    tmp_path = mpi.dir
+    uninterrupted = torch.load(tmp_path / "uninterrupted.pt", weights_only=True)
     got = torch.load(tmp_path / "resumed.pt", weights_only=True)
     want = reference_flush("mlp", MLP, steps=10, microbatches=4, microbatch_size=2, optimizer="adam", lr=0.01)
     for k in want:

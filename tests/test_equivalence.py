@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import run_mpi
+from tests.conftest import Case, MpiRun, batched
 from tests.reference import reference_flush
 
 MODELS = {"mlp": {"layers": 6, "hidden": 16, "d_in": 8, "samples": 256},
@@ -14,17 +15,20 @@ MODELS = {"mlp": {"layers": 6, "hidden": 16, "d_in": 8, "samples": 256},
 STEPS, M, B = 3, 4, 2
 
 
+def pipeline(d: Path, model: str, schedule: str, np_: int) -> Case:
+    return Case(np_, ["--model", model, "--model-args", json.dumps(MODELS[model]), "--schedule", schedule,
+                      "--layers-per-stage", "even",
+                      "--steps", str(STEPS), "--microbatches", str(M), "--microbatch-size", str(B),
+                      "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9", "--dtype", "float64",
+                      "--device", "cpu", "--save", str(d / "model.pt")])
+
+
 @pytest.mark.parametrize("np_", [2, 4])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
-def test_pipeline_equals_single_process(tmp_path, model, schedule, np_):
-    out = tmp_path / "model.pt"
-    run_mpi(np_, ["--model", model, "--model-args", json.dumps(MODELS[model]), "--schedule", schedule,
-                  "--layers-per-stage", "even",
-                  "--steps", str(STEPS), "--microbatches", str(M), "--microbatch-size", str(B),
-                  "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9", "--dtype", "float64",
-                  "--device", "cpu", "--save", str(out)])
-    got = torch.load(out, weights_only=True)
+@batched(pipeline)
+def test_pipeline_equals_single_process(mpi: MpiRun, model, schedule, np_):
+    got = torch.load(mpi.dir / "model.pt", weights_only=True)
     want = reference_flush(model, MODELS[model], steps=STEPS, microbatches=M, microbatch_size=B,
                            optimizer="sgd", lr=0.05, momentum=0.9)
     assert list(got) == list(want)
@@ -35,14 +39,18 @@ def test_pipeline_equals_single_process(tmp_path, model, schedule, np_):
     assert any(not torch.equal(want[k], initial[k]) for k in want)
 
 
-def test_1f1b_with_deeper_warmup_equals_single_process(tmp_path):
+def deeper_warmup(d: Path) -> Case:
+    return Case(4, ["--model", "gpt", "--model-args", json.dumps(MODELS["gpt"]), "--schedule", "1f1b",
+                    "--layers-per-stage", "even", "--warmup", "fill", "--steps", str(STEPS), "--microbatches", str(M),
+                    "--microbatch-size", str(B),
+                    "--optimizer", "sgd", "--lr", "0.05", "--dtype", "float64", "--device", "cpu",
+                    "--save", str(d / "model.pt")])
+
+
+@batched(deeper_warmup)
+def test_1f1b_with_deeper_warmup_equals_single_process(mpi: MpiRun):
     """--warmup fill changes only when backwards run, not what they compute."""
-    out = tmp_path / "model.pt"
-    run_mpi(4, ["--model", "gpt", "--model-args", json.dumps(MODELS["gpt"]), "--schedule", "1f1b",
-                "--layers-per-stage", "even", "--warmup", "fill", "--steps", str(STEPS), "--microbatches", str(M),
-                "--microbatch-size", str(B),
-                "--optimizer", "sgd", "--lr", "0.05", "--dtype", "float64", "--device", "cpu", "--save", str(out)])
-    got = torch.load(out, weights_only=True)
+    got = torch.load(mpi.dir / "model.pt", weights_only=True)
     want = reference_flush("gpt", MODELS["gpt"], steps=STEPS, microbatches=M, microbatch_size=B, optimizer="sgd",
                            lr=0.05)
     for k in want:

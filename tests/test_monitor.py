@@ -13,11 +13,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from pipeflow.monitor import Progress, Span, chrome_trace, step_metrics, window_metrics
-from tests.conftest import run_mpi
+from tests.conftest import Case, MpiRun, batched
 
 GPT = {"layers": 2, "d_model": 16, "heads": 2, "seq_len": 8, "vocab": 256}
 STEPS, M, B, EVERY = 6, 4, 2, 2
@@ -78,18 +79,21 @@ def test_progress_draws_a_live_bar_on_a_terminal():
 # ---------------------------------------------------------------- a real run
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """One 1f1b run of a tiny GPT on 4 ranks (a stage each) with a plan that carries predictions."""
-    d = tmp_path_factory.mktemp("monitor")
+def monitored(d: Path) -> Case:
+    """One 1f1b run of a tiny GPT on 4 ranks (a stage each) with a plan that carries predictions; the
+    tests below share it."""
     plan = {"format": "pipeflow.plan/1", "schedule": "1f1b", "microbatches": M, "workers": 4,
             "stages": [{"layers": [i, i + 1], "replicas": 1, "ranks": [i]} for i in range(4)],
             "predicted": PREDICTED}
     (d / "plan.json").write_text(json.dumps(plan))
-    run_mpi(4, ["--model", "gpt", "--model-args", json.dumps(GPT), "--plan", str(d / "plan.json"),
-                "--steps", str(STEPS), "--microbatch-size", str(B), "--log-every", str(EVERY), "--device", "cpu",
-                "--tensorboard", str(d / "tb"), "--trace", str(d / "trace.json")], timeout=150)
-    return d
+    return Case(4, ["--model", "gpt", "--model-args", json.dumps(GPT), "--plan", str(d / "plan.json"),
+                    "--steps", str(STEPS), "--microbatch-size", str(B), "--log-every", str(EVERY), "--device", "cpu",
+                    "--tensorboard", str(d / "tb"), "--trace", str(d / "trace.json")], timeout=150)
+
+
+@pytest.fixture
+def run(mpi: MpiRun) -> Path:
+    return mpi.dir
 
 
 def _scalars(logdir):
@@ -100,6 +104,7 @@ def _scalars(logdir):
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+@batched(monitored)
 def test_event_files_hold_every_tag_at_every_report(run):
     reports = list(range(EVERY, STEPS + 1, EVERY))
     main = _scalars(run / "tb")
@@ -144,6 +149,7 @@ def _get(url: str) -> object:
         return json.loads(r.read())
 
 
+@batched(monitored)
 def test_tensorboard_serves_the_scalars(run):
     port = _free_port()
     base = f"http://127.0.0.1:{port}/data/plugin/scalars"
@@ -181,6 +187,7 @@ def test_tensorboard_serves_the_scalars(run):
             server.communicate(timeout=10)
 
 
+@batched(monitored)
 def test_trace_has_every_action_of_every_rank_without_overlap(run):
     trace = json.loads((run / "trace.json").read_text())
     events = trace["traceEvents"]

@@ -2,42 +2,50 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import run_mpi, write_plan
+from tests.conftest import Case, MpiRun, batched, write_plan
 from tests.reference import reference_flush
 
 MLP = {"layers": 6, "hidden": 16, "d_in": 8, "samples": 256}
 STEPS, M, B = 3, 5, 2  # m=5 is not a multiple of the replica counts: replicas get uneven shares
 
 
+def replicated(d: Path, schedule: str, stages: list[tuple[int, int]]) -> Case:
+    plan = d / "plan.json"
+    np_ = write_plan(plan, schedule, M, stages)
+    return Case(np_, ["--model", "mlp", "--model-args", json.dumps(MLP), "--plan", str(plan),
+                      "--steps", str(STEPS), "--microbatch-size", str(B), "--optimizer", "sgd", "--lr", "0.05",
+                      "--dtype", "float64", "--device", "cpu", "--save", str(d / "model.pt")])
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("stages", [[(2, 2), (2, 1), (2, 1)], [(3, 1), (3, 2)], [(2, 1), (4, 3)], [(6, 4)]],
                          ids=["2-1-1", "1-2", "1-3", "dp4"])
-def test_replicated_plan_equals_single_process(tmp_path, schedule, stages):
-    plan = tmp_path / "plan.json"
-    np_ = write_plan(plan, schedule, M, stages)
-    out = tmp_path / "model.pt"
-    run_mpi(np_, ["--model", "mlp", "--model-args", json.dumps(MLP), "--plan", str(plan),
-                  "--steps", str(STEPS), "--microbatch-size", str(B), "--optimizer", "sgd", "--lr", "0.05",
-                  "--dtype", "float64", "--device", "cpu", "--save", str(out)])
-    got = torch.load(out, weights_only=True)
+@batched(replicated)
+def test_replicated_plan_equals_single_process(mpi: MpiRun, schedule, stages):
+    got = torch.load(mpi.dir / "model.pt", weights_only=True)
     want = reference_flush("mlp", MLP, steps=STEPS, microbatches=M, microbatch_size=B, optimizer="sgd", lr=0.05)
     assert list(got) == list(want)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-11)
 
 
-def test_plan_on_the_spot_equals_single_process(tmp_path):
+def on_the_spot(d: Path) -> Case:
+    return Case(3, ["--model", "mlp", "--model-args", json.dumps(MLP), "--steps", str(STEPS), "--microbatches",
+                    str(M), "--microbatch-size", str(B), "--optimizer", "sgd", "--lr", "0.05", "--dtype", "float64",
+                    "--device", "cpu", "--save", str(d / "model.pt")], env={"PIPEFLOW_LOG": "INFO"})
+
+
+@batched(on_the_spot)
+def test_plan_on_the_spot_equals_single_process(mpi: MpiRun):
     """No --plan: rank 0 profiles and plans for -np 3; whatever it picks trains like one process."""
-    out = tmp_path / "model.pt"
-    proc = run_mpi(3, ["--model", "mlp", "--model-args", json.dumps(MLP), "--steps", str(STEPS), "--microbatches",
-                       str(M), "--microbatch-size", str(B), "--optimizer", "sgd", "--lr", "0.05", "--dtype", "float64",
-                       "--device", "cpu", "--save", str(out)], env={"PIPEFLOW_LOG": "INFO"})
+    proc = mpi.proc
     assert "planned for 3 workers" in proc.stderr
-    got = torch.load(out, weights_only=True)
+    got = torch.load(mpi.dir / "model.pt", weights_only=True)
     want = reference_flush("mlp", MLP, steps=STEPS, microbatches=M, microbatch_size=B, optimizer="sgd", lr=0.05)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-11)

@@ -1,6 +1,6 @@
 """What seeding dropout per (seed, microbatch, layer) costs: forward + backward of a GPT stack with dropout
 through pipeflow's Stage, seeded (as pipeflow-train runs it) against the same layers run as one
-nn.Sequential with plain dropout, and without dropout; one process, no MPI (DESIGN.md, Reproducibility).
+nn.Sequential with plain dropout, and without dropout; one process, no MPI (docs/reproducibility.md).
 
     python benchmarks/gpu/bench_dropout_rng.py                      # tiny, on cpu
     python benchmarks/gpu/bench_dropout_rng.py --device cuda --layers 24 --d-model 1024 --heads 16 \\

@@ -1,4 +1,4 @@
-"""Built-in datasets and the deterministic sample order (DESIGN.md, Reproducibility)."""
+"""Built-in datasets and the deterministic sample order (docs/reproducibility.md)."""
 from pipeflow.data.loader import MicrobatchLoader, collate
 from pipeflow.data.text import StdlibText, SyntheticTokens
 

@@ -66,7 +66,7 @@ def build(layers: int = 4, d_model: int = 128, heads: int = 4, seq_len: int = 64
           dataset: str = "stdlib", dataset_size: int = 4096, dropout: float = 0.0, tie: bool = False) -> ModelSpec:
     """`layers` transformer blocks, so len(spec.layers) == layers + 2. The stdlib dataset is byte-level
     (tokens < 256 <= vocab); `dataset="synthetic"` draws random tokens below `vocab`. `dropout` (nanoGPT's
-    places) draws per (seed, microbatch, layer) under pipeflow-train (DESIGN.md, Reproducibility). `tie`: the
+    places) draws per (seed, microbatch, layer) under pipeflow-train (docs/reproducibility.md). `tie`: the
     head's weight is the token embedding's (GPT-2, Press & Wolf 2017), one Parameter held by the first and last
     layer."""
     if layers < 1:
