@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -130,31 +132,70 @@ class RankWatch:
     before any survivor can speak, and its banner names a pid. With auto-cleanup off the survivors are
     sent SIGUSR1 and die on their next MPI call to the dead rank, still silently (MPICH 5.0.2; issue 11).
     So the launcher, which outlives the job, watches the pids of the ranks on this host and names the
-    first that vanished while mpirun still ran.
+    first that vanished while mpirun still ran. It waits on a pidfd per rank (Linux >= 5.3), so the
+    kernel wakes it at the first exit rather than at its next poll; when it wakes to several exits at
+    once (a loaded machine), the rank already reaped by MPI's process manager died first: the manager
+    reaps the dead rank before it kills the others, which are still zombies then.
     """
 
     def __init__(self, pid_dir: Path, workers: int) -> None:
         self.pid_dir, self.workers = pid_dir, workers
         self.pids: dict[int, int] = {}
+        self.fds: dict[int, int] = {}  # rank -> pidfd
         self.first_dead: tuple[int, int] | None = None  # (rank, pid)
 
+    def _discover(self) -> None:
+        if len(self.pids) >= self.workers:
+            return
+        for f in self.pid_dir.glob("rank*.pid"):
+            try:
+                rank, pid = int(f.stem[4:]), int(f.read_text())
+            except (ValueError, OSError):
+                continue  # being written
+            if rank in self.pids:
+                continue
+            self.pids[rank] = pid
+            try:
+                self.fds[rank] = os.pidfd_open(pid)
+            except (OSError, AttributeError):
+                pass  # gone already (found below by kill 0), or no pidfds: polling only
+
+    def _gone(self, rank: int) -> bool:
+        fd = self.fds.get(rank)
+        if fd is not None:
+            return bool(select.select([fd], [], [], 0)[0])
+        try:
+            os.kill(self.pids[rank], 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+
     def poll(self) -> None:
-        if len(self.pids) < self.workers:
-            for f in self.pid_dir.glob("rank*.pid"):
-                try:
-                    rank, pid = int(f.stem[4:]), int(f.read_text())
-                except (ValueError, OSError):
-                    continue  # being written
-                self.pids.setdefault(rank, pid)
-        if self.first_dead is None:
-            for rank, pid in sorted(self.pids.items()):
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    self.first_dead = (rank, pid)
-                    break
-                except PermissionError:
-                    pass
+        self._discover()
+        if self.first_dead is not None:
+            return
+        gone = [r for r in sorted(self.pids) if self._gone(r)]
+        if not gone:
+            return
+        # Several at once: prefer the one whose process entry is already reaped (no longer a zombie).
+        reaped = [r for r in gone if not Path(f"/proc/{self.pids[r]}").exists()]
+        rank = (reaped or gone)[0]
+        self.first_dead = (rank, self.pids[rank])
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until a watched rank exits or `timeout` seconds pass."""
+        fds = list(self.fds.values())
+        if fds:
+            select.select(fds, [], [], timeout)
+        else:
+            time.sleep(min(timeout, 0.02))
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
 
     def explain(self, rc: int) -> str | None:
         """The line to print after mpirun exited with `rc`, or None when pipeflow-train spoke itself."""
@@ -180,15 +221,23 @@ def run(argv: Sequence[str], watch: RankWatch | None = None) -> int:
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         while True:
-            try:
-                rc = proc.wait(timeout=0.02 if watch is not None else None)
+            if watch is None:
+                rc = proc.wait()
+                break
+            watch.poll()
+            if watch.first_dead is None:
+                watch.wait(0.05 if len(watch.pids) == watch.workers else 0.02)
+                watch.poll()
+            try:  # once a rank is known dead, only mpirun's end is left to wait for
+                rc = proc.wait(timeout=0.1 if watch.first_dead is not None else 0)
                 break
             except subprocess.TimeoutExpired:
-                assert watch is not None
-                watch.poll()
+                pass
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+        if watch is not None:
+            watch.close()
     rc = 128 - rc if rc < 0 else rc
     line = watch.explain(rc) if watch is not None else None
     if line is not None:
