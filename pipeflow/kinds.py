@@ -63,7 +63,7 @@ class ScheduleKind:
     rule: str = ""  # the constraints above in words, for the planner's messages
 
     @property
-    def vertical_sync_applies(self) -> bool:
+    def vertical_sync(self) -> bool:
         """--vertical-sync: stashed versions can be made consistent across stages (PipeDream §3.3)."""
         return self.weights is Weights.STASH
 

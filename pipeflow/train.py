@@ -109,7 +109,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--microbatches must be >= 1, found {args.microbatches}")
     if args.schedule is not None and args.schedule not in SCHEDULES:
         raise UsageError(f"unknown schedule {args.schedule!r}: expected one of {', '.join(SCHEDULES)}")
-    if getattr(args, "vertical_sync", False) and not schedule_kind(args.schedule or "async").vertical_sync_applies:
+    if getattr(args, "vertical_sync", False) and args.schedule and not schedule_kind(args.schedule).vertical_sync:
         raise UsageError(f"--vertical-sync needs --schedule async, found {args.schedule}")
     if args.timeout <= 0:
         raise UsageError(f"--timeout must be > 0 seconds, found {args.timeout}")
