@@ -60,7 +60,14 @@ class ScheduleKind:
     replicas_divide_m: bool  # every stage's replica count divides m
     replicas_at_most_m: bool  # m >= every stage's replica count
     m_at_least_stages_minus_1: bool  # m >= S - 1 (two weight versions suffice)
-    rule: str = ""  # the constraints above in words, for the planner's messages
+
+    @property
+    def rule(self) -> str:
+        """The constraints on m and replicas in words, for the planner's messages ("" if none)."""
+        parts = [text for applies, text in ((self.replicas_divide_m, "every stage's replica count must divide m"),
+                                            (self.replicas_at_most_m, "m >= every stage's replica count"),
+                                            (self.m_at_least_stages_minus_1, "m >= stages - 1")) if applies]
+        return " and ".join(parts)
 
     @property
     def vertical_sync(self) -> bool:
@@ -188,11 +195,11 @@ TABLE: tuple[ScheduleKind, ...] = (
     ScheduleKind("async", _async, flush=False, step_per_backward=True, mean_over_replicas=True,
                  weights=Weights.STASH, in_flight=InFlight.FILL, warmup_applies=False, ties_allowed=False,
                  agree_every_step=False, replicas_divide_m=True, replicas_at_most_m=False,
-                 m_at_least_stages_minus_1=False, rule="every stage's replica count must divide m"),
+                 m_at_least_stages_minus_1=False),
     ScheduleKind("2bw", _2bw, flush=False, step_per_backward=False, mean_over_replicas=False,
                  weights=Weights.DOUBLE_BUFFER, in_flight=InFlight.FILL, warmup_applies=False, ties_allowed=False,
                  agree_every_step=False, replicas_divide_m=False, replicas_at_most_m=True,
-                 m_at_least_stages_minus_1=True, rule="m >= every stage's replica count and m >= stages - 1"),
+                 m_at_least_stages_minus_1=True),
 )
 _BY_NAME = {k.name: k for k in TABLE}
 SCHEDULES = tuple(_BY_NAME)

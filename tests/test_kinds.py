@@ -138,6 +138,11 @@ def test_constraints_on_m_and_replicas(name, m, reps, message):
     assert schedule_rule(name, m, reps) == message
 
 
+def test_rule_text_for_the_planner():
+    assert [schedule_kind(n).rule for n in SCHEDULES] == [
+        "", "", "every stage's replica count must divide m", "m >= every stage's replica count and m >= stages - 1"]
+
+
 def test_generators_enforce_what_they_need():
     with pytest.raises(ScheduleError, match="async: stage 1 has 3 replicas, which must divide"):
         generate("async", 2, 4, (1, 3), minibatch=4)
