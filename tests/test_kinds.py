@@ -216,3 +216,14 @@ def test_the_name_check_catches_a_comparison(tmp_path):
                    'def g(s):\n    return s in ("gpipe", "1f1b") or FLUSH_SCHEDULES\n')
     assert sorted(x.split(": ", 1)[1] for x in _name_comparisons(bad, "probe.py")) == [
         "FLUSH_SCHEDULES", "a dict keyed by schedule names", "s != 'async'", "s in ('gpipe', '1f1b')"]
+
+
+def test_the_table_and_the_ir_are_pure():
+    """The schedule table, the IR and the planner load without torch or mpi4py (pipeflow-plan's import path)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pipeflow.kinds, pipeflow.actions, pipeflow.schedule, partitioner.planner; "
+            "print(sorted(m for m in ('torch', 'mpi4py') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
