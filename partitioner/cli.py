@@ -31,7 +31,7 @@ from partitioner.profile import Profile, ProfileError
 from partitioner.search import search
 from partitioner.simulate import SimResult, StageCost
 from partitioner.topology import Topology, TopologyError, format_bytes, parse_bytes
-from pipeflow.schedule import FLUSH_SCHEDULES
+from pipeflow.kinds import schedule_kind
 
 # --microbatches auto: the smallest power of two up to AUTO_MAX_MICROBATCHES whose simulated bubble (share
 # of worker time not computing, all-reduce waits included) is at most AUTO_BUBBLE; failing that, the
@@ -62,7 +62,8 @@ class Planned:
 def layer_costs(profile: Profile, schedule: str, optimizer: str) -> LayerCosts:
     """The profile's columns for this schedule: flush schedules and 2bw accumulate gradients over the
     microbatches of a step (backward_accumulate_ms where profiled), async steps after every backward."""
-    return LayerCosts.of(profile.column("forward_ms"), profile.backward_column(accumulate=schedule != "async"),
+    return LayerCosts.of(profile.column("forward_ms"),
+                         profile.backward_column(accumulate=not schedule_kind(schedule).step_per_backward),
                          profile.column("output_bytes"), profile.column("activation_bytes"),
                          profile.column("parameter_bytes"), loss_ms=profile.loss_ms or 0.0,
                          optimizer_ms_per_byte=profile.optimizer_ms_per_byte.get(optimizer, 0.0))
@@ -79,8 +80,7 @@ def _explain(model: CostModel, workers: int) -> PlanningError:
     try:
         sol = _search(model)
     except PlanningError:
-        rule = {"async": "every stage's replica count must divide m",
-                "2bw": "m >= every stage's replica count and m >= stages - 1"}.get(model.schedule, "")
+        rule = schedule_kind(model.schedule).rule
         return PlanningError(f"no plan of {L} layers on {workers} workers fits --schedule {model.schedule} with "
                              f"{m} microbatches ({rule or 'no plan'}); use another --microbatches or fewer "
                              "workers")
@@ -118,7 +118,7 @@ def _search(model: CostModel, keep_timeline: bool = False
 
     def work(sol: Solution) -> float:
         """Compute actions the simulation replays (async, 2bw: two runs of several minibatches)."""
-        runs = 1 if model.schedule in FLUSH_SCHEDULES else 2 * max(2, -(-2 * model.topology.workers // m)) + 2
+        runs = 1 if schedule_kind(model.schedule).flush else 2 * max(2, -(-2 * model.topology.workers // m)) + 2
         return runs * m * len(sol.stages)
 
     m = model.microbatches
@@ -126,7 +126,7 @@ def _search(model: CostModel, keep_timeline: bool = False
     costs, sim = run(found.solution, keep_timeline)
     # The bound is proven below the simulated time for flushed schedules on one level (tests/
     # test_planner_bruteforce.py); elsewhere the search is the simulator's choice among the DP's best bounds.
-    exact = found.exact and model.schedule in FLUSH_SCHEDULES and len(model.topology.levels) == 1
+    exact = found.exact and schedule_kind(model.schedule).flush and len(model.topology.levels) == 1
     info: dict[str, object] = {"bound_ms": round(found.solution.objective_ms, 6), "plans_simulated": found.simulated,
                                "exact": exact}
     return found.solution, costs, sim, info
@@ -195,7 +195,7 @@ def plan_detailed(profile: Profile, workers: int, *, schedule: str = "1f1b", mic
     # A flushed minibatch lasts at least one microbatch's round trip through every layer, sum(t), while the
     # work is m sum(t) over `workers` workers: the bubble 1 - m sum(t) / (workers T) can reach AUTO_BUBBLE
     # only when m >= (1 - AUTO_BUBBLE) workers. Smaller m need not be planned.
-    least = math.ceil((1 - AUTO_BUBBLE) * workers) if schedule in FLUSH_SCHEDULES else 1
+    least = math.ceil((1 - AUTO_BUBBLE) * workers) if schedule_kind(schedule).flush else 1
     return _auto_microbatches(lambda m: _plan_once(profile, model_for(m), workers, keep_timeline), least)
 
 
@@ -288,7 +288,7 @@ def table(p: Planned) -> str:
     for s, (st, c) in enumerate(zip(p.plan.stages, p.costs)):
         share = m / st.replicas
         prev_send = p.costs[s - 1].send_ms if s else 0.0
-        steps = share if p.plan.schedule == "async" else 1.0
+        steps = share if schedule_kind(p.plan.schedule).step_per_backward else 1.0
         rows.append((str(s), f"[{st.layers[0]}, {st.layers[1]})", str(st.replicas), _ranks(st.ranks),
                      f"{share * (c.forward_ms + c.backward_ms) + steps * c.optimizer_ms:.3f}",
                      f"{share * (c.send_ms + prev_send) + steps * c.allreduce_ms:.3f}",

@@ -43,9 +43,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from partitioner.topology import Topology
+from pipeflow.kinds import SCHEDULES, InFlight, ScheduleKind, schedule_kind
 
-SCHEDULES = ("gpipe", "1f1b", "async", "2bw")
-FLUSH = ("gpipe", "1f1b")
 OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2}  # momentum; exp_avg + exp_avg_sq
 INF = float("inf")
 _CHUNK = 1 << 16  # elements per temporary array in the vectorized DP
@@ -98,10 +97,12 @@ class CostModel:
     Fw: np.ndarray = field(init=False, repr=False)
     P: np.ndarray = field(init=False, repr=False)
     A: np.ndarray = field(init=False, repr=False)
+    kind: ScheduleKind = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise PlanningError(f"--schedule must be one of {', '.join(SCHEDULES)}, found {self.schedule!r}")
+        self.kind = schedule_kind(self.schedule)
         if self.optimizer not in OPTIMIZER_STATES:
             raise PlanningError(f"--optimizer must be one of {', '.join(OPTIMIZER_STATES)}, "
                                 f"found {self.optimizer!r}")
@@ -136,7 +137,7 @@ class CostModel:
     def steps(self, r: np.ndarray | float, level: int = 0) -> np.ndarray | float:
         """Optimizer steps per minibatch of one replica: one, or one per own microbatch for async. Above
         level 0 a unit may hold up to unit_size replicas of a leaf stage, each stepping on its own share."""
-        if self.schedule != "async":
+        if not self.kind.step_per_backward:
             return 1.0
         return self.share(np.asarray(r, dtype=np.float64) * self.topology.unit_size(level))
 
@@ -151,13 +152,13 @@ class CostModel:
         if level == 0:
             exposed = exposed + self.layers.optimizer_ms_per_byte * p
         busy = np.asarray(unit_ms) * (self.share(r) / self.microbatches)
-        if self.schedule in FLUSH and level == len(self.topology.levels) - 1:
+        if self.kind.flush and level == len(self.topology.levels) - 1:
             out = self._flushed(busy, i, k, r, b, exposed)
         else:
             out = busy + self.steps(r, level) * exposed
-        if self.schedule == "async":  # the replicas all-reduce at every step: each runs as many
+        if self.kind.replicas_divide_m:  # async: the replicas all-reduce at every step: each runs as many
             out = np.where(self.microbatches % np.asarray(r) == 0, out, INF)
-        elif self.schedule == "2bw":  # every replica owns a share of each minibatch
+        if self.kind.replicas_at_most_m:  # 2bw: every replica owns a share of each minibatch
             out = np.where(np.asarray(r) <= self.microbatches, out, INF)
         return out
 
@@ -187,18 +188,18 @@ class CostModel:
         """Microbatches whose activations a replica keeps (schedule.warmup_forwards + 1, or all for gpipe)."""
         r = np.asarray(r)
         local = -(-self.microbatches // r)
-        if self.schedule == "gpipe":
+        if self.kind.in_flight is InFlight.ALL:
             return local
         fill = -(-np.asarray(downstream) // r)
-        return np.minimum(fill, local) if self.schedule == "1f1b" else fill
+        return np.minimum(fill, local) if self.kind.in_flight is InFlight.FILL_UP_TO_ALL else fill
 
     def memory_bytes(self, i: np.ndarray | int, j: np.ndarray | int, r: np.ndarray | int,
                      downstream: np.ndarray | int) -> np.ndarray:
         """Weights, gradients, optimizer state, stashed weight versions and in-flight activations."""
         p = self.P[j] - self.P[i]
         fl = self.in_flight(downstream, r)
-        versions = fl if self.schedule == "async" else (1 if self.schedule == "2bw" else 0)
-        return p * (2 + OPTIMIZER_STATES[self.optimizer] + versions) + fl * (self.A[j] - self.A[i])
+        return (p * (2 + OPTIMIZER_STATES[self.optimizer] + self.kind.stashed_versions(fl))
+                + fl * (self.A[j] - self.A[i]))
 
     def outside(self, level: int) -> int:
         """Workers outside one level-`level` group that may sit downstream of it (bound for D)."""

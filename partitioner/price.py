@@ -8,25 +8,12 @@ from typing import Any
 from partitioner.planner import LayerCosts
 from partitioner.simulate import SimResult, StageCost, simulate
 from partitioner.topology import Topology
+from pipeflow.kinds import schedule_kind
 
 
 def schedule_rule(schedule: str, microbatches: int, replicas: Sequence[int]) -> str | None:
-    """Why the schedule cannot run these stages (None: it can). async: a step per microbatch on every
-    replica, all-reduced, so each replica runs as many: replicas divide m. 2bw (PipeDream-2BW §3.1): every
-    replica owns a share of each minibatch (m >= replicas) and two weight versions suffice (m >= S - 1)."""
-    m, reps = microbatches, list(replicas)
-    if schedule == "async":
-        bad = [r for r in reps if m % r]
-        if bad:
-            return (f"async needs every stage's replica count to divide the microbatches per step, found "
-                    f"replicas {reps} and --microbatches {m}")
-    elif schedule == "2bw":
-        if max(reps) > m:
-            return f"2bw needs --microbatches >= every stage's replica count, found {m} < {max(reps)}"
-        if m < len(reps) - 1:
-            return (f"2bw needs --microbatches >= stages - 1 (two weight versions), found {m} microbatches "
-                    f"for {len(reps)} stages")
-    return None
+    """Why the schedule cannot run these stages (None: it can): the kind table's constraints."""
+    return schedule_kind(schedule).violation(microbatches, replicas)
 
 
 def level_factors(ranks: Sequence[int], topology: Topology) -> list[int]:

@@ -20,7 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from partitioner.topology import Topology
-from pipeflow.schedule import Schedule, ScheduleError, add_communication, compute_order
+from pipeflow.actions import Kind, Schedule, ScheduleError
+from pipeflow.kinds import ScheduleKind, schedule_kind
+from pipeflow.schedule import add_communication
 
 OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2}
 
@@ -81,8 +83,8 @@ def build(name: str, stages: int, microbatches: int, replicas: Sequence[int], *,
     (the generators are tested; the replay below detects a deadlock itself)."""
     reps = tuple(replicas)
     sched = _Schedule(name, stages, microbatches, reps)
-    orders = [compute_order(name, stages, microbatches, reps, list(range(r, microbatches, reps[s])), s,
-                            minibatch=minibatch)
+    kind = schedule_kind(name)
+    orders = [kind.order(list(range(r, microbatches, reps[s])), microbatches, reps, s, minibatch, None)
               for s in range(stages) for r in range(reps[s])]
     sched.actions = add_communication(sched, orders)
     return sched
@@ -101,8 +103,8 @@ def replay(sched: Schedule, stages: Sequence[StageCost], *, ranks: Sequence[Sequ
     acts = sched.actions
     pos, clock = [0] * n, [0.0] * n
     send_free, recv_free = [0.0] * n, [0.0] * n
-    arrival: dict[tuple[int, str, int], float] = {}
-    parked: dict[tuple[int, str, int], int] = {}  # a message awaited -> the worker waiting for it
+    arrival: dict[tuple[int, Kind, int], float] = {}
+    parked: dict[tuple[int, Kind, int], int] = {}  # a message awaited -> the worker waiting for it
     busy, live, peak = [0.0] * n, [0] * n, [0] * n
     steps = [0] * n
     last_b = [0.0] * n  # start of the worker's latest backward
@@ -117,10 +119,10 @@ def replay(sched: Schedule, stages: Sequence[StageCost], *, ranks: Sequence[Sequ
         while pos[w] < len(mine):
             a = mine[pos[w]]
             kind, i = a.kind, a.microbatch
-            if kind == "F" or kind == "B" or kind == "W":
+            if kind is Kind.F or kind is Kind.B or kind is Kind.W:
                 start = clock[w]
-                if (kind == "F" and s > 0) or (kind == "B" and s < S - 1):
-                    key = (w, kind, i or 0)
+                if (kind is Kind.F and s > 0) or (kind is Kind.B and s < S - 1):
+                    key: tuple[int, Kind, int] = (w, kind, i or 0)
                     got = arrival.get(key)
                     if got is None:
                         parked[key] = w
@@ -131,13 +133,13 @@ def replay(sched: Schedule, stages: Sequence[StageCost], *, ranks: Sequence[Sequ
                     clock[w] = start
                     heapq.heappush(heap, (start, w))
                     break
-                dur = cost.forward_ms if kind == "F" else (cost.backward_ms if kind == "B" else 0.0)
+                dur = cost.forward_ms if kind is Kind.F else (cost.backward_ms if kind is Kind.B else 0.0)
                 clock[w] = start + dur
                 busy[w] += dur
-                if kind == "F":
+                if kind is Kind.F:
                     live[w] += 1
                     peak[w] = max(peak[w], live[w])
-                elif kind == "B":
+                elif kind is Kind.B:
                     live[w] -= 1
                     last_b[w] = start
                 if keep_timeline:
@@ -147,19 +149,19 @@ def replay(sched: Schedule, stages: Sequence[StageCost], *, ranks: Sequence[Sequ
                     heapq.heappush(heap, (clock[w], w))
                     break
                 continue
-            if kind == "SEND_F" or kind == "SEND_B":
+            if kind is Kind.SEND_F or kind is Kind.SEND_B:
                 assert i is not None
-                t = s + 1 if kind == "SEND_F" else s - 1
+                t = s + 1 if kind is Kind.SEND_F else s - 1
                 peer = base[t] + i % reps[t]
                 d = msg(w, peer)
                 t0 = max(clock[w], send_free[w], recv_free[peer])
                 send_free[w] = recv_free[peer] = t0 + d
-                key = (peer, kind[-1], i)
+                key = (peer, kind.direction, i)
                 arrival[key] = t0 + d
                 if key in parked:
                     del parked[key]
                     heapq.heappush(heap, (max(clock[peer], t0 + d), peer))
-            elif kind == "STEP":
+            elif kind is Kind.STEP:
                 group = (s, steps[w])
                 start = clock[w]
                 if reps[s] > 1:
@@ -216,15 +218,14 @@ class _Messages:
         return got
 
 
-def _stage_peaks(sched: Schedule, stages: Sequence[StageCost], peak: list[int], schedule: str,
+def _stage_peaks(sched: Schedule, stages: Sequence[StageCost], peak: list[int], kind: ScheduleKind,
                  optimizer: str) -> tuple[list[float], list[int]]:
     mem, fl = [], []
     stage_of = [s for s in range(sched.stages) for _ in range(sched.replicas[s])]
     for s, cost in enumerate(stages):
         n = max(peak[w] for w in range(len(stage_of)) if stage_of[w] == s)
         # Weight stashing (PipeDream §3.3): a version per in-flight microbatch; 2BW: two versions.
-        versions = n if schedule == "async" else (1 if schedule == "2bw" else 0)
-        weights = cost.parameter_bytes * (2 + OPTIMIZER_STATES[optimizer] + versions)
+        weights = cost.parameter_bytes * (2 + OPTIMIZER_STATES[optimizer] + kind.stashed_versions(n))
         mem.append(weights + n * cost.activation_bytes)
         fl.append(n)
     return mem, fl
@@ -241,7 +242,8 @@ def simulate(schedule: str, stages: Sequence[StageCost], replicas: Sequence[int]
     n_workers = sum(reps)
     m = microbatches
     kw = {"ranks": ranks, "topology": topology}
-    if schedule in ("gpipe", "1f1b"):
+    kind = schedule_kind(schedule)
+    if kind.flush:
         sched = build(schedule, len(stages), m, reps)
         t, busy, iv, peak = replay(sched, stages, keep_timeline=keep_timeline, **kw)  # type: ignore[arg-type]
         step, compute = t, sum(busy)
@@ -254,5 +256,5 @@ def simulate(schedule: str, stages: Sequence[StageCost], replicas: Sequence[int]
         (t1, b1, _, _), (t2, b2, iv, peak) = runs
         step, compute = (t2 - t1) / 2, (sum(b2) - sum(b1)) / 2
     bubble = 1.0 - compute / (n_workers * step) if step > 0 else 0.0
-    mem, fl = _stage_peaks(sched, stages, peak, schedule, optimizer)
+    mem, fl = _stage_peaks(sched, stages, peak, kind, optimizer)
     return SimResult(step, max(0.0, bubble), mem, fl, sched, iv)

@@ -29,9 +29,6 @@ class World:
     backend: str
     mpi: Any = field(repr=False)  # mpi4py.MPI.Comm (COMM_WORLD)
 
-    def barrier(self) -> None:
-        self.mpi.Barrier()
-
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

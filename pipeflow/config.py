@@ -7,6 +7,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from pipeflow.kinds import schedule_kind
+
 # Microbatches in one action list: a flush schedule's m, an asynchronous one's m x steps of a segment.
 # Every rank builds, validates and dry-runs the lists of all workers in Python (schedule.generate):
 # about 3 KB and 30-150 us per microbatch, so 10^6 is ~3 GB and a minute or two per rank, and the
@@ -102,7 +104,7 @@ def check_plan(plan: Any, args: Any, schedules: tuple[str, ...]) -> int:
     if plan.schedule not in schedules:
         raise ConfigError(f"the plan's schedule {plan.schedule!r} is unknown: expected one of {', '.join(schedules)}"
                           " (edit the plan or pass --schedule)")
-    if plan.schedule in ("gpipe", "1f1b"):
+    if schedule_kind(plan.schedule).flush:
         check_schedule_size(plan.microbatches, "the plan's microbatches" if args.microbatches is None
                             else "--microbatches")
         return int(plan.microbatches)

@@ -12,8 +12,9 @@ import torch.distributed as dist
 from partitioner.plan import Plan
 from pipeflow.comm import P2P, World, new_groups, p2p_group_options
 from pipeflow.data.loader import MicrobatchLoader
+from pipeflow.kinds import Weights, schedule_kind
 from pipeflow.reduce import GradReducer, Tie, find_ties
-from pipeflow.schedule import FLUSH_SCHEDULES, Action, Schedule, generate
+from pipeflow.schedule import Action, Kind, Schedule, generate
 from pipeflow.spec import ModelSpec
 from pipeflow.stage import Stage, mark_requires_grad
 
@@ -40,13 +41,6 @@ class WeightPolicy:
     def after_step(self) -> None: ...
     def finish(self) -> None: ...
 
-    # Checkpoint hooks (checkpoint.py): weights_only-loadable state (tensors, dicts, lists, numbers)
-    # saved with this stage's layers, and given back on resume under the same stage split.
-    def extra_state(self) -> Any:
-        return None
-
-    def load_extra_state(self, state: Any) -> None: ...
-
 
 class Engine:
     def __init__(self, world: World, plan: Plan, spec: ModelSpec, *, schedule: str,
@@ -56,7 +50,7 @@ class Engine:
                  warmup: list[int] | None = None, segment_steps: int | None = None, seed: int = 0) -> None:
         # No reference to spec (its layer list) is kept: only this stage's layers stay alive (issue 10).
         self.world, self.plan, self.loader = world, plan, loader
-        self.schedule_name = schedule
+        self.kind = schedule_kind(schedule)  # the schedule's rules (kinds.py)
         self.m = plan.microbatches
         self.total_steps = total_steps
         self.timer = timer or Timer()
@@ -67,7 +61,7 @@ class Engine:
                            last=self.s == self.S - 1, loss_fn=spec.loss_fn, device=world.device, dtype=dtype,
                            seed=seed)
         self.optimizer = optimizer_factory(self.stage.parameters())
-        self.flush = schedule in FLUSH_SCHEDULES
+        self.flush = self.kind.flush
         self.warmup, self.vertical_sync = warmup, vertical_sync
         # Flush schedules repeat one step's list; asynchronous ones run the microbatches of a segment
         # (`segment_steps` minibatches; default: the whole run) as one list (begin_segment).
@@ -77,7 +71,7 @@ class Engine:
         # Parameters shared by layers of several stages (tied embedding and head): one logical parameter
         # whose gradient is summed over every stage and replica holding it (reduce.Tie, _step).
         self.ties = find_ties(spec.layers, [st.layers for st in plan.stages], [st.ranks for st in plan.stages])
-        if self.ties and not self.flush:
+        if self.ties and not self.kind.ties_allowed:
             raise ValueError(tied_async_error(self.ties, schedule))
         self.p2p = P2P(world, self._make_channels(), window=self._send_window())
         self.p2p.warm_up()
@@ -90,13 +84,13 @@ class Engine:
             # async: PipeDream's replicas are DDP, an update takes the mean of their r gradients; flush
             # schedules scale each microbatch's loss by 1/m, so the sum is already the minibatch mean.
             self.reducer = GradReducer([p for p in self.stage.parameters() if id(p) not in tied], group,
-                                       average=schedule == "async")
+                                       average=self.kind.mean_over_replicas)
         self.policy = WeightPolicy()
         self.step_guard: Callable[[], bool] | None = None
-        if not self.flush:
+        if self.kind.weights is not Weights.LIVE:
             self._new_policy()
         # Microbatches one STEP of this stage consumes (over its replicas): async steps per backward.
-        self.microbatches_per_step = st.replicas if schedule == "async" else self.m
+        self.microbatches_per_step = self.kind.microbatches_per_update(self.m, st.replicas)
         self.losses: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ set-up
@@ -105,7 +99,7 @@ class Engine:
         """The action list for `steps` minibatches (flush: one step's list, whatever `steps`)."""
         if steps not in self._scheds:
             mbs = self.m if self.flush else self.m * steps
-            self._scheds[steps] = generate(self.schedule_name, self.S, mbs, self.plan.replicas, minibatch=self.m,
+            self._scheds[steps] = generate(self.kind.name, self.S, mbs, self.plan.replicas, minibatch=self.m,
                                            warmup=self.warmup)
         self.sched = self._scheds[steps]
         self.worker = self.sched.worker(self.s, self.r)
@@ -122,7 +116,7 @@ class Engine:
         for acts in self.sched.actions:
             held = 0
             for a in acts:
-                held += (a.kind == "F") - (a.kind == "B")
+                held += (a.kind is Kind.F) - (a.kind is Kind.B)
                 most = max(most, held)
         return 3 * (most + max(self.plan.replicas)) + 2
 
@@ -206,42 +200,42 @@ class Engine:
         outputs: dict[int, list[torch.Tensor]] = {}
         in_grads: dict[int, list[torch.Tensor]] = {}
         # The reducer is armed for the last backward before each STEP (its gradients are then final).
-        seq = [a for a in actions if a.kind in ("B", "STEP")]
-        arm_at = {b.microbatch for b, nxt in zip(seq, seq[1:]) if b.kind == "B" and nxt.kind == "STEP"}
+        seq = [a for a in actions if a.kind in (Kind.B, Kind.STEP)]
+        arm_at = {b.microbatch for b, nxt in zip(seq, seq[1:]) if b.kind is Kind.B and nxt.kind is Kind.STEP}
         steps_done = 0
         for a in actions:
             i = a.microbatch
-            if a.kind == "RECV_F":
+            if a.kind is Kind.RECV_F:
                 assert i is not None
                 j = self.global_mb(step, i)
                 recv_f[i] = self.p2p.recv(self.rank_of(self.sched.peer(self.worker, a)), "F",
                                           signature=self.loader.signature(j))
-            elif a.kind == "RECV_B":
+            elif a.kind is Kind.RECV_B:
                 assert i is not None
                 # The gradient has the shapes of what we sent; if F(i) has not run yet, post at B(i).
                 recv_b[i] = self._post_recv_b(a) if i in outputs else None
-            elif a.kind == "F":
+            elif a.kind is Kind.F:
                 assert i is not None
                 self._forward(step, i, recv_f, outputs)
-            elif a.kind == "SEND_F":
+            elif a.kind is Kind.SEND_F:
                 assert i is not None
                 with self.timer.span("SEND_F", i):
                     self.p2p.send(outputs[i], self.rank_of(self.sched.peer(self.worker, a)), "F",
                                   signature=self.loader.signature(self.global_mb(step, i)))
-            elif a.kind == "B":
+            elif a.kind is Kind.B:
                 assert i is not None
                 posted = recv_b.pop(i, None)
                 if posted is None and not self.stage.last:
-                    posted = self._post_recv_b(Action("RECV_B", i))
+                    posted = self._post_recv_b(Action(Kind.RECV_B, i))
                 if self.reducer is not None and i in arm_at and i in self.stage.saved:
                     self.reducer.arm(self.stage.saved[i].outputs)
                 in_grads[i] = self._backward(i, posted)
                 outputs.pop(i, None)
-            elif a.kind == "SEND_B":
+            elif a.kind is Kind.SEND_B:
                 assert i is not None
                 with self.timer.span("SEND_B", i):
                     self.p2p.send(in_grads.pop(i), self.rank_of(self.sched.peer(self.worker, a)), "B")
-            elif a.kind == "STEP":
+            elif a.kind is Kind.STEP:
                 self._step()
                 if on_step is not None:
                     on_step(steps_done)
@@ -276,11 +270,11 @@ class Engine:
             with self.timer.span("WAIT_F", i):
                 for w in works:
                     w.wait()
-            meta = self.p2p.expect_meta(self.rank_of(self.sched.peer(self.worker, Action("RECV_F", i))),
+            meta = self.p2p.expect_meta(self.rank_of(self.sched.peer(self.worker, Action(Kind.RECV_F, i))),
                                         self.loader.signature(j))
             inputs = mark_requires_grad(bufs, [m[2] for m in meta])
         self.policy.before_forward(i)
-        scale = 1.0 / self.m if self.schedule_name != "async" else 1.0
+        scale = self.kind.loss_scale(self.m)
         with self.timer.span("F", i):
             outs = self.stage.forward(i, inputs, target, loss_scale=scale, global_mb=j)
         self.policy.after_forward(i)

@@ -49,7 +49,8 @@ import torch
 from torch import nn
 
 from pipeflow.engine import WeightPolicy
-from pipeflow.schedule import Action, Schedule, ScheduleError, warmup_forwards
+from pipeflow.kinds import Weights, schedule_kind, warmup_forwards
+from pipeflow.schedule import Action, Kind, Schedule, ScheduleError
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +60,12 @@ VersionFn = Callable[[int], int]
 def version_fn(sched: Schedule, stage: int, *, minibatch: int, vertical_sync: bool = False) -> VersionFn:
     """t -> the version of `stage`'s weights that microbatch t uses (module docstring)."""
     reps = sched.replicas
-    if sched.name == "2bw":
+    weights = schedule_kind(sched.name).weights
+    if weights is Weights.DOUBLE_BUFFER:
         if vertical_sync:
             raise ScheduleError("--vertical-sync applies to the async schedule; 2bw is already vertical")
         return lambda t: max(0, t // minibatch - 1)
-    if sched.name != "async":
+    if weights is not Weights.STASH:
         raise ScheduleError(f"weight versions are for async and 2bw, found schedule {sched.name!r}")
     if minibatch % reps[stage]:
         # One update takes r microbatches; minibatch boundaries (loss reports, the failure supervisor's
@@ -98,9 +100,9 @@ class VersionBook:
         steps = 0
         f_steps: dict[int, int] = {}
         for idx, a in enumerate(actions):
-            if a.kind == "STEP":
+            if a.kind is Kind.STEP:
                 steps += 1
-            elif a.kind == "F" and a.microbatch is not None:
+            elif a.kind is Kind.F and a.microbatch is not None:
                 t = a.microbatch
                 if version(t) > steps:
                     mark = None if sched is None or worker is None else {worker: idx}
@@ -109,7 +111,7 @@ class VersionBook:
                         f"F{t} needs weight version {version(t)} but its worker has made only {steps} updates "
                         f"by then; for 2bw use microbatches per minibatch >= stages - 1 (PipeDream-2BW §3.1){grid}")
                 f_steps[t] = steps
-            elif a.kind == "B" and a.microbatch is not None:
+            elif a.kind is Kind.B and a.microbatch is not None:
                 t = a.microbatch
                 if f_steps[t] == steps and version(t) == steps:
                     self.on_live.add(t)
@@ -157,11 +159,11 @@ def simulate(actions: list[Action], version: VersionFn) -> int:
     """Peak number of versions held as copies when running `actions` (no tensors)."""
     book = VersionBook(actions, version)
     for a in actions:
-        if a.kind == "F" and a.microbatch is not None:
+        if a.kind is Kind.F and a.microbatch is not None:
             book.forward(a.microbatch)
-        elif a.kind == "B" and a.microbatch is not None:
+        elif a.kind is Kind.B and a.microbatch is not None:
             book.backward(a.microbatch)
-        elif a.kind == "STEP":
+        elif a.kind is Kind.STEP:
             book.step()
     return book.peak
 

@@ -23,7 +23,7 @@ import torch
 from partitioner.plan import Plan, PlanError
 from pipeflow import config
 from pipeflow.outputs import prepare_outputs
-from pipeflow.schedule import SCHEDULES, ScheduleError
+from pipeflow.schedule import SCHEDULES, ScheduleError, schedule_kind
 from pipeflow.spec import ModelError, ModelSpec, build_model, parse_model_args
 
 log = logging.getLogger("pipeflow")
@@ -109,7 +109,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--microbatches must be >= 1, found {args.microbatches}")
     if args.schedule is not None and args.schedule not in SCHEDULES:
         raise UsageError(f"unknown schedule {args.schedule!r}: expected one of {', '.join(SCHEDULES)}")
-    if getattr(args, "vertical_sync", False) and args.schedule not in (None, "async"):
+    if getattr(args, "vertical_sync", False) and args.schedule and not schedule_kind(args.schedule).vertical_sync:
         raise UsageError(f"--vertical-sync needs --schedule async, found {args.schedule}")
     if args.timeout <= 0:
         raise UsageError(f"--timeout must be > 0 seconds, found {args.timeout}")
@@ -183,7 +183,7 @@ def resolve_warmup(text: str, plan: Plan) -> list[int] | None:
 
     if text == "min":
         return None
-    if plan.schedule != "1f1b":
+    if not schedule_kind(plan.schedule).warmup_applies:
         raise UsageError(f"--warmup {text} applies to --schedule 1f1b only, found {plan.schedule}")
     if text == "fill":
         return [fill_warmup(plan.replicas, s) for s in range(len(plan.stages))]
@@ -198,9 +198,8 @@ def check_ties(spec: ModelSpec, plan: Plan) -> None:
     the asynchronous schedules would give its copies different weight versions: refuse them here."""
     from pipeflow.engine import tied_async_error
     from pipeflow.reduce import find_ties
-    from pipeflow.schedule import FLUSH_SCHEDULES
 
-    if plan.schedule not in FLUSH_SCHEDULES:
+    if not schedule_kind(plan.schedule).ties_allowed:
         ties = find_ties(spec.layers, [st.layers for st in plan.stages], [st.ranks for st in plan.stages])
         if ties:
             raise UsageError(tied_async_error(ties, plan.schedule))

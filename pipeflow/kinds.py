@@ -1,0 +1,213 @@
+"""The schedule kind table: one record per schedule holding every rule the runtime, the planner and the
+simulator need (pure). No other module compares schedule names: they read `schedule_kind(name)`.
+
+Generated compute orders for S=3 stages, m=4 microbatches::
+
+    gpipe   s0: F0 F1 F2 F3 B0 B1 B2 B3 STEP      1f1b  s0: F0 F1 F2 B0 F3 B1 B2 B3 STEP
+            s1: F0 F1 F2 F3 B0 B1 B2 B3 STEP            s1: F0 F1 B0 F2 B1 F3 B2 B3 STEP
+            s2: F0 F1 F2 F3 B0 B1 B2 B3 STEP            s2: F0 B0 F1 B1 F2 B2 F3 B3 STEP
+
+`async` is 1f1b without the flush: STEP after every backward (PipeDream SOSP'19 §3.3); `2bw` steps after
+each worker's last backward of a minibatch, with two weight versions (PipeDream-2BW, ICML'21 §3.1).
+"""
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from pipeflow.actions import STEP, Action, B, F, Kind, ScheduleError
+
+N = TypeVar("N")  # a count, or a numpy array of counts (the planner's vectorised DP)
+
+
+class Weights(enum.Enum):
+    """Which weights a microbatch uses (the engine's WeightPolicy, the memory model's versions)."""
+
+    LIVE = "live"  # the current weights: updates happen only after a flush
+    STASH = "stash"  # PipeDream weight stashing: a version per microbatch in flight (SOSP'19 §3.3)
+    DOUBLE_BUFFER = "double buffer"  # PipeDream-2BW: the live weights and one older version
+
+
+class InFlight(enum.Enum):
+    """Microbatches whose activations a replica keeps at once."""
+
+    ALL = "all"  # every local microbatch of the minibatch (gpipe)
+    FILL = "fill"  # enough to fill the workers downstream (1F1B's warm-up + 1)
+    FILL_UP_TO_ALL = "fill, at most all"  # FILL, capped by the minibatch's local microbatches (flushed 1f1b)
+
+
+# (worker's microbatches, microbatches in the list, replicas, stage, minibatch, warmup) -> compute order
+OrderFn = Callable[[list[int], int, Sequence[int], int, "int | None", "int | None"], list[Action]]
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    """The rules of one schedule. `order` generates one worker's compute actions and STEPs."""
+
+    name: str
+    order: OrderFn
+    flush: bool  # drains each minibatch: one STEP per minibatch, gradients equal to gpipe's
+    step_per_backward: bool  # an update after every backward of a replica (async), not per minibatch
+    mean_over_replicas: bool  # replicas average their gradients (PipeDream's DDP) rather than sum them
+    weights: Weights
+    in_flight: InFlight
+    warmup_applies: bool  # --warmup may deepen the warm-up (its weight versions do not depend on it)
+    ties_allowed: bool  # parameters shared across stages train as one (needs a common weight version)
+    agree_every_step: bool  # the failure supervisor's ranks agree at every STEP (else at segment ends)
+    replicas_divide_m: bool  # every stage's replica count divides m
+    replicas_at_most_m: bool  # m >= every stage's replica count
+    m_at_least_stages_minus_1: bool  # m >= S - 1 (two weight versions suffice)
+
+    @property
+    def rule(self) -> str:
+        """The constraints on m and replicas in words, for the planner's messages ("" if none)."""
+        parts = [text for applies, text in ((self.replicas_divide_m, "every stage's replica count must divide m"),
+                                            (self.replicas_at_most_m, "m >= every stage's replica count"),
+                                            (self.m_at_least_stages_minus_1, "m >= stages - 1")) if applies]
+        return " and ".join(parts)
+
+    @property
+    def vertical_sync(self) -> bool:
+        """--vertical-sync: stashed versions can be made consistent across stages (PipeDream §3.3)."""
+        return self.weights is Weights.STASH
+
+    def loss_scale(self, m: int) -> float:
+        """Each microbatch's loss weight: 1/m when a step sums m microbatches' gradients, 1 when it takes one."""
+        return 1.0 if self.step_per_backward else 1.0 / m
+
+    def microbatches_per_update(self, m: int, replicas: int) -> int:
+        """Microbatches one STEP of a stage consumes over its replicas."""
+        return replicas if self.step_per_backward else m
+
+    def stashed_versions(self, in_flight: N) -> N | int:
+        """Weight versions kept beside the live weights (memory model), for `in_flight` microbatches (a
+        count or an array of them)."""
+        if self.weights is Weights.STASH:
+            return in_flight
+        return 1 if self.weights is Weights.DOUBLE_BUFFER else 0
+
+    def violation(self, m: int, replicas: Sequence[int]) -> str | None:
+        """Why this schedule cannot run stages with these replica counts at m microbatches (None: it can).
+        async: a step per microbatch on every replica, all-reduced, so each replica runs as many: replicas
+        divide m. 2bw (PipeDream-2BW §3.1): every replica owns a share of each minibatch (m >= replicas) and
+        two weight versions suffice (m >= S - 1)."""
+        reps = list(replicas)
+        if self.replicas_divide_m and any(m % r for r in reps):
+            return (f"{self.name} needs every stage's replica count to divide the microbatches per step, found "
+                    f"replicas {reps} and --microbatches {m}")
+        if self.replicas_at_most_m and max(reps) > m:
+            return f"{self.name} needs --microbatches >= every stage's replica count, found {m} < {max(reps)}"
+        if self.m_at_least_stages_minus_1 and m < len(reps) - 1:
+            return (f"{self.name} needs --microbatches >= stages - 1 (two weight versions), found {m} microbatches "
+                    f"for {len(reps)} stages")
+        return None
+
+
+# ---------------------------------------------------------------- generators
+
+
+def warmup_forwards(replicas: Sequence[int], stage: int) -> int:
+    """Forwards a stage runs before its first backward in 1F1B: enough to fill the workers downstream.
+
+    With one replica per stage this is S-1-s (DAPPLE / PipeDream-Flush); with replicas it is
+    PipeDream's NOAM ceil(workers from s on / replicas of s) minus the one in flight here.
+    """
+    return max(0, math.ceil(sum(replicas[stage:]) / replicas[stage]) - 1)
+
+
+def fill_warmup(replicas: Sequence[int], stage: int, *, backward_ratio: float = 2.0) -> int:
+    """Forwards that keep a stage busy until its first gradient returns, for stages of equal cost with
+    backward = `backward_ratio` x forward: the round trip to the last stage and back takes
+    (1 + ratio) x warmup_forwards forward-times. DAPPLE's minimum leaves the first stages idle that
+    long once per minibatch; when the first stage is the bottleneck that idle time is lost throughput.
+    Costs memory: that many more microbatches' activations in flight."""
+    return math.ceil((1 + backward_ratio) * warmup_forwards(replicas, stage))
+
+
+def _one_f_one_b(mbs: list[int], warmup: int) -> list[Action]:
+    warmup = min(warmup, len(mbs))
+    order = [F(i) for i in mbs[:warmup]]
+    for k, i in enumerate(mbs[warmup:]):
+        order += [F(i), B(mbs[k])]
+    order += [B(i) for i in mbs[len(mbs) - warmup:]] if warmup else []
+    return order
+
+
+def _1f1b_body(mbs: list[int], replicas: Sequence[int], stage: int, warmup: int | None) -> list[Action]:
+    return _one_f_one_b(mbs, warmup_forwards(replicas, stage) if warmup is None else warmup)
+
+
+def _gpipe(mbs: list[int], microbatches: int, replicas: Sequence[int], stage: int,
+           minibatch: int | None, warmup: int | None) -> list[Action]:
+    return [F(i) for i in mbs] + [B(i) for i in mbs] + [STEP]
+
+
+def _1f1b(mbs: list[int], microbatches: int, replicas: Sequence[int], stage: int,
+          minibatch: int | None, warmup: int | None) -> list[Action]:
+    return _1f1b_body(mbs, replicas, stage, warmup) + [STEP]
+
+
+def _async(mbs: list[int], microbatches: int, replicas: Sequence[int], stage: int,
+           minibatch: int | None, warmup: int | None) -> list[Action]:
+    # PipeDream: an update after every backward, no flush; replicas all-reduce at every STEP, so
+    # they must run equally many backwards.
+    if microbatches % replicas[stage]:
+        raise ScheduleError(f"async: stage {stage} has {replicas[stage]} replicas, which must divide the "
+                            f"total number of microbatches (steps x m), found {microbatches}")
+    order = _1f1b_body(mbs, replicas, stage, warmup)
+    return [a for x in order for a in ((x, STEP) if x.kind is Kind.B else (x,))]
+
+
+def _2bw(mbs: list[int], microbatches: int, replicas: Sequence[int], stage: int,
+         minibatch: int | None, warmup: int | None) -> list[Action]:
+    # PipeDream-2BW: 1F1B without flush; an update after this worker's last backward of each minibatch
+    # (with replicas, every replica owns a share of each minibatch: needs m >= replicas).
+    if not minibatch or minibatch < 1:
+        raise ScheduleError(f"2bw needs the minibatch size in microbatches, found {minibatch}")
+    if minibatch < replicas[stage] or microbatches % minibatch:
+        raise ScheduleError(f"2bw: stage {stage} has {replicas[stage]} replicas and minibatches of {minibatch} "
+                            f"microbatches over {microbatches} in all; need m >= replicas and m dividing the "
+                            "total, so that every replica steps once per minibatch")
+    last = {max(i for i in mbs if i // minibatch == k) for k in {i // minibatch for i in mbs}}
+    out: list[Action] = []
+    for x in _1f1b_body(mbs, replicas, stage, warmup):
+        out.append(x)
+        if x.kind is Kind.B and x.microbatch in last:
+            out.append(STEP)
+    return out
+
+
+# ---------------------------------------------------------------- the table
+
+def _flushed(name: str, order: OrderFn, in_flight: InFlight, *, warmup_applies: bool) -> ScheduleKind:
+    return ScheduleKind(name, order, flush=True, step_per_backward=False, mean_over_replicas=False,
+                        weights=Weights.LIVE, in_flight=in_flight, warmup_applies=warmup_applies, ties_allowed=True,
+                        agree_every_step=True, replicas_divide_m=False, replicas_at_most_m=False,
+                        m_at_least_stages_minus_1=False)
+
+
+TABLE: tuple[ScheduleKind, ...] = (
+    _flushed("gpipe", _gpipe, InFlight.ALL, warmup_applies=False),
+    _flushed("1f1b", _1f1b, InFlight.FILL_UP_TO_ALL, warmup_applies=True),
+    ScheduleKind("async", _async, flush=False, step_per_backward=True, mean_over_replicas=True,
+                 weights=Weights.STASH, in_flight=InFlight.FILL, warmup_applies=False, ties_allowed=False,
+                 agree_every_step=False, replicas_divide_m=True, replicas_at_most_m=False,
+                 m_at_least_stages_minus_1=False),
+    ScheduleKind("2bw", _2bw, flush=False, step_per_backward=False, mean_over_replicas=False,
+                 weights=Weights.DOUBLE_BUFFER, in_flight=InFlight.FILL, warmup_applies=False, ties_allowed=False,
+                 agree_every_step=False, replicas_divide_m=False, replicas_at_most_m=True,
+                 m_at_least_stages_minus_1=True),
+)
+_BY_NAME = {k.name: k for k in TABLE}
+SCHEDULES = tuple(_BY_NAME)
+
+
+def schedule_kind(name: str) -> ScheduleKind:
+    """The record of schedule `name`; ScheduleError naming the known ones for any other."""
+    try:
+        return _BY_NAME[name]
+    except (KeyError, TypeError):
+        raise ScheduleError(f"unknown schedule {name!r}; expected one of {', '.join(SCHEDULES)}") from None

@@ -1,0 +1,229 @@
+"""The schedule kind table drives behaviour, and no module outside it compares schedule names (pure)."""
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from pipeflow.actions import KINDS, Action, Kind
+from pipeflow.kinds import SCHEDULES, TABLE, InFlight, ScheduleKind, Weights, schedule_kind
+from pipeflow.schedule import ScheduleError, generate
+
+ROOT = Path(__file__).resolve().parents[1]
+GRIDS = [(1, 1, (1,)), (2, 4, (1, 1)), (3, 4, (1, 1, 1)), (3, 6, (2, 1, 1)), (2, 6, (1, 3)), (4, 8, (2, 2, 1, 1)),
+         (4, 3, (1, 1, 1, 1))]
+
+
+def _runs(kind: ScheduleKind, S: int, m: int, reps: tuple[int, ...]) -> bool:
+    return kind.violation(m, reps) is None
+
+
+def _lists(kind: ScheduleKind, S: int, m: int, reps: tuple[int, ...], minibatches: int = 3):
+    """The generated schedule: one minibatch for flush kinds, `minibatches` of them otherwise."""
+    total = m if kind.flush else m * minibatches
+    return generate(kind.name, S, total, reps, minibatch=m)
+
+
+def test_table_names_and_lookup():
+    assert SCHEDULES == ("gpipe", "1f1b", "async", "2bw") == tuple(k.name for k in TABLE)
+    for k in TABLE:
+        assert schedule_kind(k.name) is k
+    with pytest.raises(ScheduleError, match=r"^unknown schedule 'zb'; expected one of gpipe, 1f1b, async, 2bw$"):
+        schedule_kind("zb")
+    import partitioner.planner
+    import pipeflow.schedule
+    assert pipeflow.schedule.SCHEDULES is SCHEDULES and partitioner.planner.SCHEDULES is SCHEDULES
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("S,m,reps", GRIDS)
+def test_generator_of_each_kind_passes_validation_and_steps_as_the_record_says(name, S, m, reps):
+    """generate() validates and dry-runs; the STEPs then consume the microbatches the record gives per update."""
+    kind = schedule_kind(name)
+    if not _runs(kind, S, m, reps):
+        pytest.skip("the kind's rules exclude this grid (tested below)")
+    sched = _lists(kind, S, m, reps)
+    for s in range(S):
+        # Between consecutive STEPs, the backwards of all replicas of stage s: one update's microbatches.
+        per_update: list[int] = []
+        for r in range(reps[s]):
+            count, k = 0, 0
+            for a in sched.actions[sched.worker(s, r)]:
+                if a.kind is Kind.B:
+                    count += 1
+                elif a.kind is Kind.STEP:
+                    if k == len(per_update):
+                        per_update.append(0)
+                    per_update[k] += count
+                    count, k = 0, k + 1
+            assert count == 0, "backwards after the last STEP"
+        assert per_update == [kind.microbatches_per_update(m, reps[s])] * len(per_update)
+        assert len(per_update) * kind.microbatches_per_update(m, reps[s]) == sched.microbatches
+        if kind.flush:
+            assert len(per_update) == 1
+
+
+@pytest.mark.parametrize("name,scale,per_update,mean", [
+    ("gpipe", 1 / 4, 4, False), ("1f1b", 1 / 4, 4, False), ("async", 1.0, 2, True), ("2bw", 1 / 4, 4, False)])
+def test_loss_scale_and_microbatches_per_update(name, scale, per_update, mean):
+    kind = schedule_kind(name)
+    assert kind.loss_scale(4) == scale
+    assert kind.microbatches_per_update(4, 2) == per_update
+    assert kind.mean_over_replicas is mean
+
+
+@pytest.mark.parametrize("S,m,reps", [(3, 6, (1, 1, 1)), (3, 6, (1, 2, 1)), (2, 8, (1, 1))])
+def test_in_flight_rule_matches_the_generated_lists(S, m, reps):
+    """The record's in-flight rule (the planner's memory model) is the generated lists' peak F-B count."""
+    from pipeflow.kinds import warmup_forwards
+
+    for kind in TABLE:
+        sched = _lists(kind, S, m, reps)
+        for w, (s, _) in enumerate(sched.workers):
+            held = peak = 0
+            for a in sched.actions[w]:
+                held += (a.kind is Kind.F) - (a.kind is Kind.B)
+                peak = max(peak, held)
+            local = len([i for i in range(m) if i % reps[s] == w - sched.worker(s, 0)])
+            fill = warmup_forwards(reps, s) + 1
+            want = {InFlight.ALL: local, InFlight.FILL_UP_TO_ALL: min(fill, local), InFlight.FILL: fill}[kind.in_flight]
+            assert peak == want, (kind.name, w)
+
+
+def test_stashed_versions_and_weights():
+    assert [schedule_kind(n).weights for n in SCHEDULES] == [Weights.LIVE, Weights.LIVE, Weights.STASH,
+                                                             Weights.DOUBLE_BUFFER]
+    assert [schedule_kind(n).stashed_versions(5) for n in SCHEDULES] == [0, 0, 5, 1]
+    assert [schedule_kind(n).vertical_sync for n in SCHEDULES] == [False, False, True, False]
+    from pipeflow.stash import version_fn
+    for name in SCHEDULES:
+        sched = generate(name, 2, 4, minibatch=2)
+        if schedule_kind(name).weights is Weights.LIVE:
+            with pytest.raises(ScheduleError, match=f"weight versions are for async and 2bw, found schedule '{name}'"):
+                version_fn(sched, 0, minibatch=2)
+        else:
+            assert version_fn(sched, 0, minibatch=2)(0) == 0
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_warmup_applies_only_where_the_record_says(name):
+    kind = schedule_kind(name)
+    if kind.warmup_applies:
+        sched = generate(name, 3, 6, warmup=[4, 3, 0])
+        # warm-up 4, then F4 before B0 (1F1B's steady state)
+        assert [a.kind for a in sched.actions[0] if a.is_compute][:6] == [Kind.F] * 5 + [Kind.B]
+    else:
+        with pytest.raises(ScheduleError, match=f"a warm-up depth applies to 1f1b only, not '{name}'"):
+            generate(name, 3, 6, minibatch=6, warmup=[4, 3, 0])
+
+
+def test_flush_kinds_allow_ties_and_agree_every_step():
+    for kind in TABLE:
+        assert kind.ties_allowed is kind.flush and kind.agree_every_step is kind.flush
+
+
+@pytest.mark.parametrize("name,m,reps,message", [
+    ("async", 4, [1, 3], "async needs every stage's replica count to divide the microbatches per step, found "
+                         "replicas [1, 3] and --microbatches 4"),
+    ("2bw", 2, [3, 1], "2bw needs --microbatches >= every stage's replica count, found 2 < 3"),
+    ("2bw", 2, [1, 1, 1, 1], "2bw needs --microbatches >= stages - 1 (two weight versions), found 2 microbatches "
+                             "for 4 stages"),
+])
+def test_constraints_on_m_and_replicas(name, m, reps, message):
+    assert schedule_kind(name).violation(m, reps) == message
+    assert schedule_kind("1f1b").violation(m, reps) is None and schedule_kind("gpipe").violation(m, reps) is None
+    from partitioner.price import schedule_rule
+    assert schedule_rule(name, m, reps) == message
+
+
+def test_rule_text_for_the_planner():
+    assert [schedule_kind(n).rule for n in SCHEDULES] == [
+        "", "", "every stage's replica count must divide m", "m >= every stage's replica count and m >= stages - 1"]
+
+
+def test_generators_enforce_what_they_need():
+    with pytest.raises(ScheduleError, match="async: stage 1 has 3 replicas, which must divide"):
+        generate("async", 2, 4, (1, 3), minibatch=4)
+    with pytest.raises(ScheduleError, match="2bw: stage 0 has 3 replicas and minibatches of 2"):
+        generate("2bw", 2, 4, (3, 1), minibatch=2)
+
+
+def test_action_kinds_are_an_enum_and_round_trip():
+    assert KINDS == tuple(k.value for k in Kind) == ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "STEP")
+    for k in Kind:
+        for text in ([f"{k}", f"2{k}"] if k is Kind.STEP else [f"{k}3", f"1{k}3", f"{k}12"]):
+            a = Action.parse(text)
+            assert str(a) == text and a.kind is k and Action.parse(str(a)) == a
+    assert Action("SEND_B", 3) == Action(Kind.SEND_B, 3) and Action("F", 1).kind is Kind.F
+    assert str(Action(Kind.F, 3, 1)) == "1F3" and f"{Kind.RECV_F}" == "RECV_F" and Kind.B == "B"
+    with pytest.raises(ValueError, match=r"unknown action kind 'X'; expected one of \('F', 'B', 'W'"):
+        Action("X", 1)
+    with pytest.raises(ValueError, match="STEP takes no microbatch"):
+        Action(Kind.STEP, 1)
+
+
+def test_dead_code_is_gone():
+    from pipeflow.comm import World
+    from pipeflow.engine import WeightPolicy
+    from pipeflow.schedule import Schedule, compute_order
+    assert not hasattr(World, "barrier") and not hasattr(Schedule, "format_lists")
+    assert not hasattr(WeightPolicy, "extra_state") and not hasattr(WeightPolicy, "load_extra_state")
+    assert "stages" not in inspect.signature(compute_order).parameters
+
+
+# ---------------------------------------------------------------- no module compares schedule names
+
+ALLOWED = {"pipeflow/kinds.py"}  # the table itself
+
+
+def _name_comparisons(path: Path, label: str) -> list[str]:
+    """`x == "async"`, `x in ("gpipe", "1f1b")`, `{"async": ...}.get(x)`, FLUSH_SCHEDULES: a schedule's rule
+    written outside the table. Defaults (`schedule="1f1b"`) and help text are not comparisons."""
+    names = set(SCHEDULES)
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+
+    def named(node: ast.AST) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in names
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(named(e) for e in node.elts)
+        return False
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(named(x) for x in [node.left, *node.comparators]):
+            found.append(f"{label}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Dict) and any(k is not None and named(k) for k in node.keys):
+            found.append(f"{label}:{node.lineno}: a dict keyed by schedule names")
+        elif isinstance(node, ast.Name) and node.id in ("FLUSH_SCHEDULES", "FLUSH"):
+            found.append(f"{label}:{node.lineno}: {node.id}")
+    return found
+
+
+def test_no_module_outside_the_table_compares_schedule_names():
+    files = sorted(p for d in ("pipeflow", "partitioner", "launch") for p in (ROOT / d).rglob("*.py"))
+    assert any(p.name == "engine.py" for p in files)
+    found = [f for p in files if (label := str(p.relative_to(ROOT))) not in ALLOWED
+             for f in _name_comparisons(p, label)]
+    assert found == [], "schedule rules belong in pipeflow/kinds.py:\n" + "\n".join(found)
+
+
+def test_the_name_check_catches_a_comparison(tmp_path):
+    bad = tmp_path / "probe.py"
+    bad.write_text('def f(s, t="1f1b"):\n    return 1.0 if s != "async" else {"2bw": 1}.get(s, 0)\n'
+                   'def g(s):\n    return s in ("gpipe", "1f1b") or FLUSH_SCHEDULES\n')
+    assert sorted(x.split(": ", 1)[1] for x in _name_comparisons(bad, "probe.py")) == [
+        "FLUSH_SCHEDULES", "a dict keyed by schedule names", "s != 'async'", "s in ('gpipe', '1f1b')"]
+
+
+def test_the_table_and_the_ir_are_pure():
+    """The schedule table, the IR and the planner load without torch or mpi4py (pipeflow-plan's import path)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pipeflow.kinds, pipeflow.actions, pipeflow.schedule, partitioner.planner; "
+            "print(sorted(m for m in ('torch', 'mpi4py') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
