@@ -48,7 +48,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pipeflow.engine import WeightPolicy
+from pipeflow.hooks import WeightPolicy
 from pipeflow.schedule import Action, Schedule, ScheduleError, warmup_forwards
 
 log = logging.getLogger(__name__)
