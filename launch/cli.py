@@ -126,7 +126,7 @@ TRAIN_CODES = (0, 1, 2, 3, 4, 128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
 class RankWatch:
-    """Which rank died first, from the pids the ranks write to $PIPEFLOW_PID_DIR (failure.write_pid_file).
+    """Which rank died first, from the pids the ranks write to $PIPEFLOW_PID_DIR (watchdog.write_pid_file).
 
     MPICH's mpirun kills every rank at once when one is killed (a kill -9, the OOM killer, a segfault),
     before any survivor can speak, and its banner names a pid. With auto-cleanup off the survivors are

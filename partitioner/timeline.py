@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 from partitioner.planner import PlanningError
 
 if TYPE_CHECKING:
-    from partitioner.cli import Planned
+    from partitioner.service import Planned
 
 COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "STEP": "#8172b3"}
 IDLE = "#eeeeee"

@@ -1,9 +1,8 @@
 """Executes one rank's action list: compute, overlapped sends/receives, gradient reduction, steps."""
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,6 +11,7 @@ import torch.distributed as dist
 from partitioner.plan import Plan
 from pipeflow.comm import P2P, World, new_groups, p2p_group_options
 from pipeflow.data.loader import MicrobatchLoader
+from pipeflow.hooks import Timer, WeightPolicy
 from pipeflow.kinds import Weights, schedule_kind
 from pipeflow.reduce import GradReducer, Tie, find_ties
 from pipeflow.schedule import Action, Kind, Schedule, generate
@@ -19,27 +19,6 @@ from pipeflow.spec import ModelSpec
 from pipeflow.stage import Stage, mark_requires_grad
 
 log = logging.getLogger(__name__)
-
-
-class Timer:
-    """Measures spans of the engine's work; the monitor subclasses it. The default measures nothing."""
-
-    @contextlib.contextmanager
-    def span(self, kind: str, mb: int | None = None) -> Iterator[None]:
-        yield
-
-
-class WeightPolicy:
-    """Which weights a microbatch's forward and backward use. Flush schedules (gpipe, 1f1b) use the
-    current weights throughout; asynchronous schedules (stash.py) swap versions around each action."""
-
-    def before_forward(self, mb: int) -> None: ...
-    def after_forward(self, mb: int) -> None: ...
-    def before_backward(self, mb: int) -> None: ...
-    def after_backward(self, mb: int) -> None: ...
-    def before_step(self) -> None: ...
-    def after_step(self) -> None: ...
-    def finish(self) -> None: ...
 
 
 class Engine:

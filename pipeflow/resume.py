@@ -5,7 +5,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from pipeflow import checkpoint
+from pipeflow import restore
 from pipeflow.checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -14,13 +14,13 @@ log = logging.getLogger(__name__)
 def choose(comm: Any, resume: str, checkpoint_dir: str | None) -> tuple[Path | None, dict[str, Any] | None]:
     """Collective: (step directory, marker) to resume from, or (None, None) when --checkpoint-dir holds no
     complete checkpoint yet. Rank 0 lists the candidates and reads each marker; the ranks verify the stage
-    files between them (sizes and sha256, checkpoint.verify). A candidate that fails is named in one warning
+    files between them (sizes and sha256, restore.verify). A candidate that fails is named in one warning
     with the one used instead; raises CheckpointError on every rank when none verifies."""
     rank, size = comm.Get_rank(), comm.Get_size()
     found: tuple[list[str], str | None] = ([], None)
     if rank == 0:  # one rank lists them, so that all try the same ones
         try:
-            found = ([str(d) for d in checkpoint.candidates(resume, checkpoint_dir)], None)
+            found = ([str(d) for d in restore.candidates(resume, checkpoint_dir)], None)
         except CheckpointError as e:
             found = ([], str(e))
     paths, error = comm.bcast(found, root=0)
@@ -32,13 +32,13 @@ def choose(comm: Any, resume: str, checkpoint_dir: str | None) -> tuple[Path | N
         got: tuple[dict[str, Any] | None, str | None] = (None, None)
         if rank == 0:
             try:
-                got = (checkpoint.read_marker(d), None)
+                got = (restore.read_marker(d), None)
             except CheckpointError as e:
                 got = (None, str(e))
         marker, bad = comm.bcast(got, root=0)
         problems = [bad] if bad else []
         if marker is not None:
-            mine = checkpoint.verify(d, marker, range(rank, len(marker["stages"]), size))
+            mine = restore.verify(d, marker, range(rank, len(marker["stages"]), size))
             problems = [p for theirs in comm.allgather(mine) for p in theirs]
         if not problems:
             if skipped and rank == 0:

@@ -48,7 +48,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pipeflow.engine import WeightPolicy
+from pipeflow.hooks import WeightPolicy
 from pipeflow.kinds import Weights, schedule_kind, warmup_forwards
 from pipeflow.schedule import Action, Kind, Schedule, ScheduleError
 

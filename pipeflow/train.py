@@ -14,25 +14,21 @@ import atexit
 import logging
 import os
 import sys
-import time
 import traceback
 from typing import Any, NoReturn
 
 import torch
 
-from partitioner.plan import Plan, PlanError
+from partitioner.plan import PlanError
 from pipeflow import config
+from pipeflow.failure import UsageError
 from pipeflow.outputs import prepare_outputs
+from pipeflow.planning import check_ties, make_plan
+from pipeflow.runner import DTYPES, run
 from pipeflow.schedule import SCHEDULES, ScheduleError, schedule_kind
-from pipeflow.spec import ModelError, ModelSpec, build_model, parse_model_args
+from pipeflow.spec import ModelError, build_model, parse_model_args
 
 log = logging.getLogger("pipeflow")
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
-
-class UsageError(ValueError):
-    """A flag, file or world size that cannot work; reported once (rank 0) when all ranks agree, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -121,100 +117,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("--checkpoint-every needs --checkpoint-dir (where to write the checkpoints)")
 
 
-def make_plan(args: argparse.Namespace, spec: ModelSpec, world_size: int, rank: int, mpi: Any) -> Plan:
-    """The plan from --plan; an even or explicit split (--layers-per-stage); otherwise rank 0 profiles
-    the layers and runs the planner for this many workers, and every rank gets its plan."""
-    n = len(spec.layers)
-    if args.plan:
-        plan = Plan.load(args.plan)
-        plan.validate(num_layers=n, world_size=world_size)
-        if args.microbatches is not None:
-            plan.microbatches = args.microbatches
-        if args.schedule is not None:
-            plan.schedule = args.schedule
-        return plan
-    from partitioner.plan import even_plan
-
-    if not args.layers_per_stage:
-        return plan_on_the_spot(args, spec, world_size, rank, mpi)
-    counts = None
-    if args.layers_per_stage != "even":
-        try:
-            counts = [int(x) for x in args.layers_per_stage.split(",")]
-        except ValueError:
-            raise UsageError(f"--layers-per-stage must be comma-separated integers, found {args.layers_per_stage!r}"
-                             ) from None
-        if len(counts) != world_size:
-            raise UsageError(f"--layers-per-stage gives {len(counts)} stages but -np is {world_size}")
-    return even_plan(n, world_size, schedule=args.schedule or "1f1b", microbatches=args.microbatches or 8,
-                     layer_counts=counts)
-
-
-def plan_on_the_spot(args: argparse.Namespace, spec: ModelSpec, world_size: int, rank: int, mpi: Any) -> Plan:
-    result: tuple[str, Any] = ("error", "rank 0 did not plan")
-    if rank == 0:
-        try:
-            from partitioner.cli import plan_from_profile
-            from partitioner.profiler import profile_model
-
-            device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-            t0 = time.perf_counter()
-            profile = profile_model(spec, args.microbatch_size, device, dtype=args.dtype, warmup=1, repeats=3,
-                                    seed=args.seed)
-            plan = plan_from_profile(profile, world_size, schedule=args.schedule or "1f1b",
-                                     microbatches=args.microbatches or 8, topology=args.topology,
-                                     memory_per_worker=args.memory_per_worker, straight=args.straight,
-                                     optimizer=args.optimizer)
-            log.info("profiled %d layers on %s in %s and planned for %d workers in %.1f s (no --plan given); "
-                     "predicted %s", len(spec.layers), device, profile.dtype, world_size, time.perf_counter() - t0,
-                     {k: v for k, v in plan.predicted.items() if k != "peak_memory_bytes"})
-            result = ("plan", plan.to_json())
-        except (ValueError, RuntimeError) as e:
-            result = ("error", f"planning on the spot failed: {e}")
-    kind, value = mpi.bcast(result, root=0)
-    if kind == "error":
-        raise UsageError(value)
-    return Plan.from_json(value, source="the plan made on the spot")
-
-
-def resolve_warmup(text: str, plan: Plan) -> list[int] | None:
-    """--warmup as per-stage counts, or None for the schedule's own (DAPPLE's minimum)."""
-    from pipeflow.schedule import fill_warmup
-
-    if text == "min":
-        return None
-    if not schedule_kind(plan.schedule).warmup_applies:
-        raise UsageError(f"--warmup {text} applies to --schedule 1f1b only, found {plan.schedule}")
-    if text == "fill":
-        return [fill_warmup(plan.replicas, s) for s in range(len(plan.stages))]
-    counts = [int(x) for x in text.split(",")]
-    if len(counts) != len(plan.stages):
-        raise UsageError(f"--warmup gives {len(counts)} counts but the plan has {len(plan.stages)} stages")
-    return counts
-
-
-def check_ties(spec: ModelSpec, plan: Plan) -> None:
-    """A Parameter shared by layers of several stages trains as one under gpipe and 1f1b (engine.py);
-    the asynchronous schedules would give its copies different weight versions: refuse them here."""
-    from pipeflow.engine import tied_async_error
-    from pipeflow.reduce import find_ties
-
-    if not schedule_kind(plan.schedule).ties_allowed:
-        ties = find_ties(spec.layers, [st.layers for st in plan.stages], [st.ranks for st in plan.stages])
-        if ties:
-            raise UsageError(tied_async_error(ties, plan.schedule))
-
-
-def make_optimizer(args: argparse.Namespace) -> Any:
-    def factory(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        if args.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-        cls = torch.optim.Adam if args.optimizer == "adam" else torch.optim.AdamW
-        fused = bool(params) and all(p.is_cuda for p in params)  # one kernel per step on GPUs
-        return cls(params, lr=args.lr, weight_decay=args.weight_decay, fused=fused or None)
-    return factory
-
-
 def setup_logging(rank: int, size: int) -> None:
     """A handler once per process (basicConfig does nothing the second time); the level from
     $PIPEFLOW_LOG at every call, so that each run of main() in one process gets its own."""
@@ -236,7 +138,7 @@ class ProcessState:
     def __init__(self) -> None:
         import signal
 
-        from pipeflow.failure import SignalStop
+        from pipeflow.signals import SignalStop
 
         self.rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
@@ -268,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.dump_traceback_later(dump, exit=True)
     from mpi4py import MPI
 
-    from pipeflow.failure import Watchdog, write_pid_file
+    from pipeflow.watchdog import Watchdog, write_pid_file
 
     comm = MPI.COMM_WORLD  # MPI is initialised once per process, by the import
     state = ProcessState()
@@ -361,109 +263,6 @@ def _main(args: argparse.Namespace, comm: Any, watchdog: Any) -> int:
         say(f"pipeflow-train: rank {rank} failed (traceback above); stopping all ranks")
         comm.Abort(1)
         return 1
-
-
-def run(args: argparse.Namespace, spec: ModelSpec, plan: Plan, comm: Any) -> int:
-    from pipeflow.checkpoint import run_info
-    from pipeflow.comm import init_world
-    from pipeflow.data.loader import MicrobatchLoader
-    from pipeflow.engine import Engine
-    from pipeflow.failure import Supervisor
-    from pipeflow.monitor import Monitor
-
-    world = init_world(device=args.device, timeout_s=args.timeout)
-    # mpirun (MPICH's) reports a killed process by its pid and ends the job before any rank can speak:
-    # this line is what maps that pid back to a rank.
-    pids = comm.gather((os.uname().nodename, os.getpid()), root=0)
-    if world.rank == 0:
-        log.info("processes by rank: %s", ", ".join(f"{r}={h}:{p}" for r, (h, p) in enumerate(pids)))
-        log.info("plan: %s, %d microbatches of %d, stages %s", plan.schedule, plan.microbatches,
-                 args.microbatch_size, [(list(st.layers), st.ranks) for st in plan.stages])
-    loader = MicrobatchLoader(spec.dataset, args.microbatch_size, seed=args.seed, shuffle=not args.no_shuffle)
-    m = plan.microbatches
-    monitor = Monitor(comm, plan, world.device, total_steps=args.steps, samples_per_step=m * args.microbatch_size,
-                      tokens_per_sample=spec.tokens_per_sample, tensorboard=args.tensorboard, trace=args.trace,
-                      config=vars(args))
-    engine = Engine(world, plan, spec, schedule=plan.schedule, optimizer_factory=make_optimizer(args),
-                    warmup=resolve_warmup(args.warmup, plan),
-                    loader=loader, dtype=DTYPES[args.dtype] if args.dtype else None, total_steps=args.steps,
-                    timer=monitor.timer, vertical_sync=args.vertical_sync, seed=args.seed,
-                    segment_steps=(min(args.checkpoint_every, args.steps) or None) if args.checkpoint_dir else None)
-    info = run_info(args, spec, plan)
-    # This rank keeps only its own stage's layers (engine.stage): drop the model-wide list so that the
-    # other stages' layers are freed (issue 10, item 3).
-    spec.layers = []
-    # Resume, checkpoints, signals and non-finite checks at step boundaries (failure.py, checkpoint.py).
-    supervisor = Supervisor(args, engine, comm, info)
-    start = supervisor.start()
-    every = args.log_every or max(1, args.steps // 10)
-    last_reported = start
-    first_report: tuple[int, float] | None = None  # (step, time) of the first report: steady state after it
-
-    def report(k: int) -> None:
-        nonlocal last_reported, first_report
-        step = k + 1
-        monitor.end_step(k)
-        if step % every == 0 or step == args.steps:
-            loss = engine.take_loss((step - last_reported) * m)
-            last_reported = step
-            if first_report is None:
-                first_report = (step, time.perf_counter())
-            monitor.report(step, loss, lr=engine.optimizer.param_groups[0]["lr"])
-        supervisor.after_step(step)
-
-    monitor.start(start)
-    if engine.flush:
-        for k in range(start, args.steps):
-            engine.train_step(k)
-            report(k)
-    else:  # segments that fill and drain the pipeline; checkpoints and stops at their ends (stash.py)
-        for first, count in supervisor.segments(start):
-            def on_step(n: int, first: int = first) -> None:  # report each minibatch the (n+1)-th STEP completes
-                per = engine.microbatches_per_step
-                for k in range(first + n * per // m, first + (n + 1) * per // m):
-                    report(k)
-
-            engine.begin_segment(first, count)
-            engine.run(engine.actions, on_step=on_step)
-            supervisor.after_segment(first + count)
-    supervisor.close()
-    monitor.close()
-    if engine.owns_loss and first_report is not None and first_report[0] < args.steps:
-        steps, dt = args.steps - first_report[0], time.perf_counter() - first_report[1]
-        rate = steps * m * args.microbatch_size / dt
-        tok = f", {rate * spec.tokens_per_sample:.0f} tokens/s" if spec.tokens_per_sample else ""
-        log.info("steady state (steps %d-%d): %.1f samples/s%s", first_report[0] + 1, args.steps, rate, tok)
-    if world.device.type == "cuda":
-        peaks = comm.gather(torch.cuda.max_memory_allocated(world.device), root=0)
-        if world.rank == 0:
-            log.info("peak GPU memory per rank (GiB): %s", [round(p / 2**30, 2) for p in peaks])
-    save_error = save_model(engine, args.save, comm, args.checkpoint_dir) if args.save else None
-    comm.Barrier()
-    if torch.distributed.is_initialized():
-        # NCCL may hang at interpreter exit when its process group is left for the destructor.
-        torch.distributed.destroy_process_group()
-    if save_error:
-        from pipeflow.failure import AgreedError
-
-        raise AgreedError(save_error)
-    return 0
-
-
-def save_model(engine: Any, path: str, comm: Any, checkpoint_dir: str | None = None) -> str | None:
-    """One state_dict with nn.Sequential(*spec.layers)'s keys, gathered on rank 0 from each stage's replica 0.
-    Collective; returns None, or on every rank the line saying that --save failed and where the weights went."""
-    from pipeflow.outputs import write_model
-
-    mine = (engine.stage.start, engine.state_dict()) if engine.r == 0 else None
-    parts = comm.gather(mine, root=0)
-    error = None
-    if comm.Get_rank() == 0:
-        full: dict[str, torch.Tensor] = {}
-        for _, part in sorted((p for p in parts if p is not None), key=lambda p: p[0]):
-            full.update(part)
-        error = write_model(full, path, checkpoint_dir)
-    return comm.bcast(error, root=0)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,9 @@ import time
 
 import numpy as np
 
-from partitioner.cli import plan_detailed
 from partitioner.planner import CostModel, LayerCosts, solve
 from partitioner.profile import LayerProfile, Profile
+from partitioner.service import plan_detailed
 from partitioner.topology import Topology
 
 

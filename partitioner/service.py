@@ -1,0 +1,264 @@
+"""The planning service: profile -> plan through the DP (planner.py), each candidate priced by the simulator
+(simulate.py), as a library that pipeflow-plan (cli.py) and pipeflow-train's planning on the spot both call.
+
+The DP bounds every plan's step time from below; the simulator replays the schedule on the plans in order
+of bound until no unvisited plan can be faster, so the plan returned is the fastest the simulator knows.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from partitioner.plan import Plan, PlanError, StagePlan
+from partitioner.planner import (
+    SCHEDULES,
+    CostModel,
+    LayerCosts,
+    PlanningError,
+    Progress,
+    Solution,
+    tabulate,
+)
+from partitioner.price import predicted, price, schedule_rule
+from partitioner.profile import Profile
+from partitioner.search import search
+from partitioner.simulate import SimResult, StageCost
+from partitioner.topology import Topology, TopologyError, format_bytes, parse_bytes
+from pipeflow.kinds import schedule_kind
+
+# --microbatches auto: the smallest power of two up to AUTO_MAX_MICROBATCHES whose simulated bubble (share
+# of worker time not computing, all-reduce waits included) is at most AUTO_BUBBLE; failing that, the
+# candidate with the highest simulated throughput. More microbatches shrink the fill/drain bubble,
+# (S-1)/(m+S-1) for 1F1B, but cost activation memory (gpipe) and a larger minibatch.
+AUTO_BUBBLE = 0.10
+AUTO_MAX_MICROBATCHES = 256
+# Sizes the planner refuses up front rather than run for minutes: the DP grows as layers^2 x workers^2 on
+# one level and the simulator linearly in microbatches x stages.
+MAX_WORKERS = 1024
+MAX_MICROBATCHES = 4096
+# Plans simulated per search (partitioner/search.py), and microbatch-stages replayed, before it settles for
+# the best so far (about 0.5 s of simulation on the 2-core CI machine).
+SEARCH_LIMIT = 64
+SEARCH_WORK = 50_000
+
+
+@dataclass
+class Planned:
+    """The plan with what the table and the timeline need."""
+
+    plan: Plan
+    costs: list[StageCost]
+    sim: SimResult
+    solution: Solution | None = None
+
+
+def layer_costs(profile: Profile, schedule: str, optimizer: str) -> LayerCosts:
+    """The profile's columns for this schedule: flush schedules and 2bw accumulate gradients over the
+    microbatches of a step (backward_accumulate_ms where profiled), async steps after every backward."""
+    return LayerCosts.of(profile.column("forward_ms"),
+                         profile.backward_column(accumulate=not schedule_kind(schedule).step_per_backward),
+                         profile.column("output_bytes"), profile.column("activation_bytes"),
+                         profile.column("parameter_bytes"), loss_ms=profile.loss_ms or 0.0,
+                         optimizer_ms_per_byte=profile.optimizer_ms_per_byte.get(optimizer, 0.0))
+
+
+def _explain(model: CostModel, workers: int) -> PlanningError:
+    """Why no plan exists: structure (--straight), the schedule's rules, or memory (name the stage)."""
+    m, L = model.microbatches, model.num_layers
+    if model.straight and workers > L:
+        return PlanningError(f"cannot place {workers} workers on {L} layers with --straight: every stage "
+                             f"needs at least one layer; use fewer workers or allow replication")
+    limit = model.memory_per_worker
+    model.memory_per_worker = None
+    try:
+        sol = _search(model)
+    except PlanningError:
+        rule = schedule_kind(model.schedule).rule
+        return PlanningError(f"no plan of {L} layers on {workers} workers fits --schedule {model.schedule} with "
+                             f"{m} microbatches ({rule or 'no plan'}); use another --microbatches or fewer "
+                             "workers")
+    finally:
+        model.memory_per_worker = limit
+    costs, sim = sol[1], sol[2]
+    s = max(range(len(costs)), key=lambda k: sim.peak_memory_bytes[k])
+    st, need, fl = sol[0].stages[s], sim.peak_memory_bytes[s], sim.peak_in_flight[s]
+    act = fl * costs[s].activation_bytes
+    return PlanningError(
+        f"no plan fits --memory-per-worker {format_bytes(limit or 0)}: even the fastest plan's stage {s} "
+        f"(layers [{st.start}, {st.end}), {len(st.ranks)} replica(s)) needs {format_bytes(need)} "
+        f"(weights, gradients, optimizer state {format_bytes(need - act)} + activations of {fl} microbatch(es) "
+        f"{format_bytes(act)}); use more workers, sgd, fewer microbatches or --schedule 1f1b")
+
+
+def _search(model: CostModel, keep_timeline: bool = False
+            ) -> tuple[Solution, list[StageCost], SimResult, dict[str, object]]:
+    """The DP's bounds ordered, the simulator deciding (partitioner/search.py)."""
+    cache: dict[tuple[tuple[int, int, tuple[int, ...]], ...], tuple[list[StageCost], SimResult]] = {}
+
+    def run(sol: Solution, timeline: bool = False) -> tuple[list[StageCost], SimResult]:
+        ranges = [(st.start, st.end) for st in sol.stages]
+        ranks = [sorted(st.ranks) for st in sol.stages]
+        key = tuple((a, b, tuple(r)) for (a, b), r in zip(ranges, ranks))
+        if key not in cache or timeline:
+            cache[key] = price(model.layers, model.topology, model.schedule, model.microbatches, ranges, ranks,
+                               optimizer=model.optimizer, keep_timeline=timeline)
+        return cache[key]
+
+    def cost(sol: Solution) -> float | None:
+        if schedule_rule(model.schedule, model.microbatches, [len(st.ranks) for st in sol.stages]):
+            return None
+        return run(sol)[1].step_ms
+
+    def work(sol: Solution) -> float:
+        """Compute actions the simulation replays (async, 2bw: two runs of several minibatches)."""
+        runs = 1 if schedule_kind(model.schedule).flush else 2 * max(2, -(-2 * model.topology.workers // m)) + 2
+        return runs * m * len(sol.stages)
+
+    m = model.microbatches
+    found = search(tabulate(model, Progress(_progress)), cost, limit=SEARCH_LIMIT, work=work, budget=SEARCH_WORK)
+    costs, sim = run(found.solution, keep_timeline)
+    # The bound is proven below the simulated time for flushed schedules on one level (tests/
+    # test_planner_bruteforce.py); elsewhere the search is the simulator's choice among the DP's best bounds.
+    exact = found.exact and schedule_kind(model.schedule).flush and len(model.topology.levels) == 1
+    info: dict[str, object] = {"bound_ms": round(found.solution.objective_ms, 6), "plans_simulated": found.simulated,
+                               "exact": exact}
+    return found.solution, costs, sim, info
+
+
+def _progress(line: str) -> None:
+    sys.stderr.write(f"pipeflow-plan: {line}\n")  # one write per line: no interleaving
+    sys.stderr.flush()
+
+
+def _plan_once(profile: Profile, model: CostModel, workers: int, keep_timeline: bool) -> Planned:
+    try:
+        sol, costs, sim, info = _search(model, keep_timeline)
+    except PlanningError:
+        raise _explain(model, workers) from None
+    m = model.microbatches
+    stages = [StagePlan((s.start, s.end), len(s.ranks), sorted(s.ranks)) for s in sol.stages]
+    extra = {"planner": {"topology": str(model.topology), "optimizer": model.optimizer,
+                         "objective_ms": info["bound_ms"], "microbatch_size": profile.microbatch_size,
+                         "search": info}}
+    plan = Plan(model.schedule, m, workers, stages, predicted(sim, m, profile.microbatch_size), extra)
+    return Planned(plan, costs, sim, sol)
+
+
+def _topology(workers: int, topology: Topology | str | None) -> Topology:
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise PlanningError(f"--workers must be a positive integer, found {workers!r}")
+    if workers > MAX_WORKERS:
+        raise PlanningError(f"--workers must be at most {MAX_WORKERS} (the planner's limit), found {workers}")
+    if isinstance(topology, str):
+        topology = Topology.parse(topology, workers)
+    topology = topology or Topology.default(workers)
+    if topology.workers != workers:
+        raise TopologyError(f"--workers {workers} does not match the topology {topology} "
+                            f"({topology.workers} workers)")
+    return topology
+
+
+def _check_microbatches(microbatches: object) -> None:
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise PlanningError(f"--microbatches must be a positive integer or 'auto', found {microbatches!r}")
+    if microbatches > MAX_MICROBATCHES:
+        raise PlanningError(f"--microbatches must be at most {MAX_MICROBATCHES} (the planner's limit), "
+                            f"found {microbatches}")
+
+
+def plan_detailed(profile: Profile, workers: int, *, schedule: str = "1f1b", microbatches: int | str = "auto",
+                  topology: Topology | str | None = None, memory_per_worker: int | str | None = None,
+                  straight: bool = False, optimizer: str = "adam", keep_timeline: bool = False) -> Planned:
+    topo = _topology(workers, topology)
+    if microbatches != "auto":
+        _check_microbatches(microbatches)
+    if isinstance(memory_per_worker, str):
+        memory_per_worker = parse_bytes(memory_per_worker)
+    if schedule not in SCHEDULES:
+        raise PlanningError(f"--schedule must be one of {', '.join(SCHEDULES)}, found {schedule!r}")
+    lay = layer_costs(profile, schedule, optimizer)
+
+    def model_for(m: int) -> CostModel:
+        return CostModel(lay, topo, schedule, m, optimizer,
+                         None if memory_per_worker is None else float(memory_per_worker), straight)
+
+    if microbatches != "auto":
+        assert isinstance(microbatches, int)
+        return _plan_once(profile, model_for(microbatches), workers, keep_timeline)
+    # A flushed minibatch lasts at least one microbatch's round trip through every layer, sum(t), while the
+    # work is m sum(t) over `workers` workers: the bubble 1 - m sum(t) / (workers T) can reach AUTO_BUBBLE
+    # only when m >= (1 - AUTO_BUBBLE) workers. Smaller m need not be planned.
+    least = math.ceil((1 - AUTO_BUBBLE) * workers) if schedule_kind(schedule).flush else 1
+    return _auto_microbatches(lambda m: _plan_once(profile, model_for(m), workers, keep_timeline), least)
+
+
+def _auto_microbatches(plan_at: Callable[[int], Planned], least: int = 1) -> Planned:
+    """--microbatches auto: the smallest power of two up to AUTO_MAX_MICROBATCHES whose plan's simulated
+    bubble is at most AUTO_BUBBLE, by binary search from the first power of two >= `least` (tried first:
+    usually it is the answer): the bubble shrinks as m grows, memory failures come above some m and
+    schedule-rule failures below some m. Failing that, the plan of highest simulated throughput among those
+    tried. One to four DP solves instead of up to nine."""
+    hi = AUTO_MAX_MICROBATCHES.bit_length() - 1
+    lo = min(hi, max(0, (least - 1).bit_length()))
+    found: Planned | None = None
+    fallback: Planned | None = None
+    error: PlanningError | None = None
+    first = True
+    while lo <= hi:
+        mid = lo if first else (lo + hi) // 2
+        first = False
+        try:
+            got = plan_at(1 << mid)
+        except PlanningError as e:
+            memory = str(e).startswith("no plan fits --memory")
+            if error is None or memory:
+                error = e
+            if memory:
+                hi = mid - 1  # memory only grows with m
+            else:
+                lo = mid + 1  # a schedule rule (async, 2bw) may need more microbatches
+            continue
+        if got.sim.bubble_fraction <= AUTO_BUBBLE:
+            found, hi = got, mid - 1
+        else:
+            if fallback is None or got.plan.predicted["samples_per_s"] > fallback.plan.predicted["samples_per_s"]:
+                fallback = got
+            lo = mid + 1
+    best = found or fallback
+    if best is None:
+        assert error is not None
+        raise error
+    best.plan.extra["planner"]["microbatches_rule"] = (f"smallest power of two <= {AUTO_MAX_MICROBATCHES} with "
+                                                       f"simulated bubble <= {AUTO_BUBBLE}")
+    return best
+
+
+def plan_from_profile(profile: Profile, workers: int, *, schedule: str, microbatches: int | str,
+                      topology: Topology | str | None = None, memory_per_worker: int | str | None = None,
+                      straight: bool = False, optimizer: str = "adam") -> Plan:
+    """In-process API for the runtime: the plan for `workers` ranks; raises PlanningError / TopologyError
+    (both ValueError) with a one-line message."""
+    return plan_detailed(profile, workers, schedule=schedule, microbatches=microbatches, topology=topology,
+                         memory_per_worker=memory_per_worker, straight=straight, optimizer=optimizer).plan
+
+
+def evaluate_plan(profile: Profile, plan: Plan, *, topology: Topology | str | None = None,
+                  optimizer: str = "adam", keep_timeline: bool = False) -> Planned:
+    """Price a given plan (hand-written or from another tool) exactly as the planner prices its own."""
+    topo = _topology(plan.workers, topology)
+    _check_microbatches(plan.microbatches)
+    plan.validate(num_layers=len(profile.layers))
+    why = schedule_rule(plan.schedule, plan.microbatches, plan.replicas)
+    if why:
+        raise PlanError(f"the plan cannot run: {why}")
+    lay = layer_costs(profile, plan.schedule, optimizer)
+    costs, sim = price(lay, topo, plan.schedule, plan.microbatches, [st.layers for st in plan.stages],
+                       [st.ranks for st in plan.stages], optimizer=optimizer, keep_timeline=keep_timeline)
+    extra = dict(plan.extra)
+    extra["planner"] = {"topology": str(topo), "optimizer": optimizer, "microbatch_size": profile.microbatch_size,
+                        "evaluated": True}
+    out = Plan(plan.schedule, plan.microbatches, plan.workers, plan.stages,
+               predicted(sim, plan.microbatches, profile.microbatch_size), extra)
+    return Planned(out, costs, sim)

@@ -1,0 +1,181 @@
+"""Non-finite checks at every STEP, and the agreement of all ranks on skipping a step or stopping."""
+from __future__ import annotations
+
+import logging
+import signal
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeflow.failure import EXIT_NONFINITE, NonFiniteError
+from pipeflow.signals import SignalStop
+
+log = logging.getLogger("pipeflow.failure")  # the name these lines had before failure.py was split: log lines unchanged
+
+
+class StepGuard:
+    """Runs at every STEP, before the optimizer: checks this stage's gradients (and the last stage's
+    losses) for NaN/inf with one host sync, and at step boundaries agrees with all ranks, through one
+    MPI allreduce, whether to apply the step and whether to stop (a signal or a non-finite value).
+
+    Flush schedules agree at every STEP, so all stages skip a bad step together. Asynchronous ones
+    step per microbatch and drain only at segment boundaries (Supervisor.after_segment agrees on
+    signals there), so there is no common boundary per update: a stage skips its own
+    non-finite update (--skip-nonfinite) or raises NonFiniteError, which ends the job through MPI Abort.
+    """
+
+    def __init__(self, engine: Any, comm: Any, signals: SignalStop, *, skip_nonfinite: bool,
+                 agree_every_step: bool, max_skips: int = 0) -> None:
+        self.engine, self.comm, self.signals = engine, comm, signals
+        self.skip = skip_nonfinite
+        # --max-skips: a run that skips this many steps in a row does not recover; stop it (exit 4)
+        # instead of "training" to the end on NaN (0: never).
+        self.max_skips = max_skips
+        self.consecutive = 0  # skipped in a row, up to the last agreement (flush) or update (async)
+        self.agree_every_step = agree_every_step
+        self.stages = engine.S
+        actions = engine.actions
+        # Losses this worker appends per STEP (flush: its forwards; async: one per microbatch).
+        self.losses_per_step = max(1, sum(a.kind == "F" for a in actions) // max(1, sum(a.kind == "STEP"
+                                                                                        for a in actions)))
+        self.step = 0          # STEPs (optimizer steps taken or skipped) so far, on this worker
+        self.bad_loss = False  # since the last agreement
+        self.bad_grad = False
+        self.skipped: list[int] = []
+        self.stop_reason: str | None = None
+        self.exit_code = 0
+        # On GPUs with a fused optimizer the check needs no host sync: the optimizer skips a non-finite
+        # update on the device (its found_inf input, as under AMP's GradScaler), the flags are copied to
+        # pinned memory, and the ranks agree on them one step later, when that copy has long landed.
+        # --skip-nonfinite keeps the synchronous check: every stage must skip the same step.
+        opt = engine.optimizer
+        self.lagged = (agree_every_step and not skip_nonfinite and engine.world.device.type == "cuda"
+                       and bool(getattr(opt, "_step_supports_amp_scaling", False)))
+        self.pending: list[tuple[int, torch.Tensor, Any]] = []  # (step, pinned [bad_grad, bad_loss], event)
+
+    def _device_flags(self) -> torch.Tensor:
+        """[bad_grad, bad_loss] on this stage's device, without reading them."""
+        e = self.engine
+        dev = e.world.device
+        grads = [p.grad for p in e.stage.parameters() if p.grad is not None]
+        ok_grad = (torch.stack([g.isfinite().all() for g in grads]).all() if grads
+                   else torch.ones((), dtype=torch.bool, device=dev))
+        ok_loss = (torch.stack(e.losses[-self.losses_per_step:]).isfinite().all() if e.stage.last and e.losses
+                   else torch.ones((), dtype=torch.bool, device=dev))
+        return torch.stack([~ok_grad.to(dev), ~ok_loss.to(dev)])
+
+    def _local_check(self) -> tuple[bool, bool]:
+        bad = self._device_flags().cpu().tolist()  # the one host sync
+        return bool(bad[0]), bool(bad[1])
+
+    def _lagged(self) -> bool:
+        """The sync-free check: skip on the device now, agree on the previous step's flags."""
+        flags = self._device_flags()
+        self.engine.optimizer.found_inf = flags.any().float()
+        host = torch.empty(2, dtype=torch.bool, pin_memory=flags.is_cuda)
+        host.copy_(flags, non_blocking=flags.is_cuda)
+        event = torch.cuda.Event() if flags.is_cuda else None
+        if event is not None:
+            event.record()
+        step = self.step
+        self.step += 1
+        self.pending.append((step, host, event))
+        if len(self.pending) > 1:
+            prev, prev_host, prev_event = self.pending.pop(0)
+            if prev_event is not None:
+                prev_event.synchronize()  # recorded a whole step ago: already complete in the steady state
+            self.bad_grad, self.bad_loss = bool(prev_host[0]), bool(prev_host[1])
+            if self._agree(prev):
+                self.skipped.append(prev)
+        return True  # the update itself is skipped on the device when non-finite
+
+    def flush_pending(self) -> None:
+        """Agree on the last step's flags (at the end of training)."""
+        while self.pending:
+            prev, prev_host, prev_event = self.pending.pop(0)
+            if prev_event is not None:
+                prev_event.synchronize()
+            self.bad_grad, self.bad_loss = bool(prev_host[0]), bool(prev_host[1])
+            if self._agree(prev):
+                self.skipped.append(prev)
+
+    def __call__(self) -> bool:
+        """Whether to apply this STEP's optimizer update."""
+        if self.lagged:
+            return self._lagged()
+        bad_grad, bad_loss = self._local_check()
+        self.bad_grad |= bad_grad
+        self.bad_loss |= bad_loss
+        step = self.step
+        self.step += 1
+        if self.agree_every_step:
+            nonfinite = self._agree(step)
+            if nonfinite:
+                self.skipped.append(step)
+            return not nonfinite
+        if bad_grad or bad_loss:
+            self.skipped.append(step)
+            self.consecutive += 1
+            what = "loss" if bad_loss else "gradients"
+            if not self.skip:
+                raise NonFiniteError(f"non-finite {what} at update {step + 1} on stage {self.engine.s}; the update "
+                                     "was not applied. Lower --lr, check the data, or pass --skip-nonfinite")
+            if self.max_skips and self.consecutive >= self.max_skips:
+                raise NonFiniteError(f"non-finite {what} at update {step + 1} on stage {self.engine.s}: "
+                                     f"{self._skip_count(len(self.skipped))}. Lower --lr or check the data")
+            log.warning("non-finite %s at update %d on stage %d: skipped (--skip-nonfinite)", what, step + 1,
+                        self.engine.s)
+            return False
+        self.consecutive = 0
+        return True
+
+    def _skip_count(self, total: int) -> str:
+        return (f"{self.consecutive} consecutive {'steps' if self.agree_every_step else 'updates'} skipped "
+                f"({total} in all; --skip-nonfinite stops after --max-skips {self.max_skips} in a row), "
+                "the run is not recovering")
+
+    def _agree(self, step: int) -> bool:
+        """Allreduce [signal, signalled rank, loss-bad per stage, grad-bad per stage]; True if non-finite."""
+        from mpi4py import MPI
+
+        s = self.engine.s
+        mine = np.zeros(2 + 2 * self.stages, dtype=np.int64)
+        if self.signals.signum:
+            mine[0], mine[1] = self.signals.signum, self.comm.Get_rank() + 1
+        mine[2 + s] = self.bad_loss
+        mine[2 + self.stages + s] = self.bad_grad
+        self.bad_loss = self.bad_grad = False
+        every = np.empty_like(mine)
+        self.comm.Allreduce(mine, every, op=MPI.MAX)
+        loss_stages = [i for i in range(self.stages) if every[2 + i]]
+        grad_stages = [i for i in range(self.stages) if every[2 + self.stages + i]]
+        nonfinite = bool(loss_stages or grad_stages)
+        if nonfinite:
+            what = []
+            if loss_stages:
+                what.append(f"loss on stage {loss_stages[0]} (the last)")
+            if grad_stages:
+                what.append(f"gradients on stage{'s' if len(grad_stages) > 1 else ''} "
+                            f"{', '.join(map(str, grad_stages))}")
+            text = f"non-finite {' and '.join(what)} at step {step + 1}"
+            if self.skip:
+                self.consecutive += 1
+                if self.max_skips and self.consecutive >= self.max_skips and self.stop_reason is None:
+                    # This step is skipped too (the caller records it after we return).
+                    count = self._skip_count(len(self.skipped) + 1)
+                    self.stop_reason = f"{text}: {count}. Lower --lr or check the data"
+                    self.exit_code = EXIT_NONFINITE
+                elif self.comm.Get_rank() == 0:
+                    log.warning("%s: step skipped (--skip-nonfinite)", text)
+            elif self.stop_reason is None:
+                self.stop_reason = (f"{text}; the update was not applied. Lower --lr, check the data, or pass "
+                                    "--skip-nonfinite to skip such steps")
+                self.exit_code = EXIT_NONFINITE
+        else:
+            self.consecutive = 0
+        if every[0] and self.stop_reason is None:
+            name = signal.Signals(int(every[0])).name
+            self.stop_reason = f"stopped by {name} (received by rank {int(every[1]) - 1}) after step {step + 1}"
+            self.exit_code = 128 + int(every[0])
+        return nonfinite

@@ -1,0 +1,101 @@
+"""Where a run's plan comes from: --plan, an even or explicit split, or profiling and planning on the spot
+(through the planning service, partitioner/service.py); and the checks of a plan against the flags."""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from typing import Any
+
+import torch
+
+from partitioner.plan import Plan
+from pipeflow.failure import UsageError
+from pipeflow.kinds import schedule_kind
+from pipeflow.spec import ModelSpec
+
+log = logging.getLogger("pipeflow")
+
+
+def make_plan(args: argparse.Namespace, spec: ModelSpec, world_size: int, rank: int, mpi: Any) -> Plan:
+    """The plan from --plan; an even or explicit split (--layers-per-stage); otherwise rank 0 profiles
+    the layers and runs the planner for this many workers, and every rank gets its plan."""
+    n = len(spec.layers)
+    if args.plan:
+        plan = Plan.load(args.plan)
+        plan.validate(num_layers=n, world_size=world_size)
+        if args.microbatches is not None:
+            plan.microbatches = args.microbatches
+        if args.schedule is not None:
+            plan.schedule = args.schedule
+        return plan
+    from partitioner.plan import even_plan
+
+    if not args.layers_per_stage:
+        return plan_on_the_spot(args, spec, world_size, rank, mpi)
+    counts = None
+    if args.layers_per_stage != "even":
+        try:
+            counts = [int(x) for x in args.layers_per_stage.split(",")]
+        except ValueError:
+            raise UsageError(f"--layers-per-stage must be comma-separated integers, found {args.layers_per_stage!r}"
+                             ) from None
+        if len(counts) != world_size:
+            raise UsageError(f"--layers-per-stage gives {len(counts)} stages but -np is {world_size}")
+    return even_plan(n, world_size, schedule=args.schedule or "1f1b", microbatches=args.microbatches or 8,
+                     layer_counts=counts)
+
+
+def plan_on_the_spot(args: argparse.Namespace, spec: ModelSpec, world_size: int, rank: int, mpi: Any) -> Plan:
+    result: tuple[str, Any] = ("error", "rank 0 did not plan")
+    if rank == 0:
+        try:
+            from partitioner.profiler import profile_model
+            from partitioner.service import plan_from_profile
+
+            device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+            t0 = time.perf_counter()
+            profile = profile_model(spec, args.microbatch_size, device, dtype=args.dtype, warmup=1, repeats=3,
+                                    seed=args.seed)
+            plan = plan_from_profile(profile, world_size, schedule=args.schedule or "1f1b",
+                                     microbatches=args.microbatches or 8, topology=args.topology,
+                                     memory_per_worker=args.memory_per_worker, straight=args.straight,
+                                     optimizer=args.optimizer)
+            log.info("profiled %d layers on %s in %s and planned for %d workers in %.1f s (no --plan given); "
+                     "predicted %s", len(spec.layers), device, profile.dtype, world_size, time.perf_counter() - t0,
+                     {k: v for k, v in plan.predicted.items() if k != "peak_memory_bytes"})
+            result = ("plan", plan.to_json())
+        except (ValueError, RuntimeError) as e:
+            result = ("error", f"planning on the spot failed: {e}")
+    kind, value = mpi.bcast(result, root=0)
+    if kind == "error":
+        raise UsageError(value)
+    return Plan.from_json(value, source="the plan made on the spot")
+
+
+def resolve_warmup(text: str, plan: Plan) -> list[int] | None:
+    """--warmup as per-stage counts, or None for the schedule's own (DAPPLE's minimum)."""
+    from pipeflow.schedule import fill_warmup
+
+    if text == "min":
+        return None
+    if not schedule_kind(plan.schedule).warmup_applies:
+        raise UsageError(f"--warmup {text} applies to --schedule 1f1b only, found {plan.schedule}")
+    if text == "fill":
+        return [fill_warmup(plan.replicas, s) for s in range(len(plan.stages))]
+    counts = [int(x) for x in text.split(",")]
+    if len(counts) != len(plan.stages):
+        raise UsageError(f"--warmup gives {len(counts)} counts but the plan has {len(plan.stages)} stages")
+    return counts
+
+
+def check_ties(spec: ModelSpec, plan: Plan) -> None:
+    """A Parameter shared by layers of several stages trains as one under gpipe and 1f1b (engine.py);
+    the asynchronous schedules would give its copies different weight versions: refuse them here."""
+    from pipeflow.engine import tied_async_error
+    from pipeflow.reduce import find_ties
+
+    if not schedule_kind(plan.schedule).ties_allowed:
+        ties = find_ties(spec.layers, [st.layers for st in plan.stages], [st.ranks for st in plan.stages])
+        if ties:
+            raise UsageError(tied_async_error(ties, plan.schedule))

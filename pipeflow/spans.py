@@ -1,0 +1,118 @@
+"""Measured spans of the engine's work (the monitor's Timer) and the per-step times and bubble they give."""
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipeflow.hooks import Timer
+
+COMPUTE = ("F", "B")  # what counts as work in the bubble; everything else is waiting or overhead
+CATEGORY = {"F": "compute", "B": "compute", "STEP": "optimizer", "SEND_F": "comm", "SEND_B": "comm",
+            "WAIT_F": "comm", "WAIT_B": "comm"}
+
+
+@dataclass
+class Span:
+    """One measured action, in seconds since the monitor's zero (the barrier at start, common to all ranks)."""
+
+    kind: str
+    mb: int | None
+    step: int
+    start: float
+    end: float
+
+
+class SpanTimer(Timer):
+    """Records every span of the engine. On CPU, host perf_counter; on CUDA, a pair of events on the current
+    stream, turned into times only in `resolve` (at report time), so the steady state never syncs the host."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.step = 0
+        self.t0 = time.perf_counter()
+        self.ref: Any = None  # CUDA: the event that marks time zero
+        self._spans: list[tuple[str, int | None, int, Any, Any]] = []
+        self._steps: list[tuple[int, Any, Any]] = []  # (step, begin, end), unresolved
+        self._begin: Any = self._now()
+
+    def _now(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def _seconds(self, mark: Any) -> float:
+        return float(self.ref.elapsed_time(mark)) / 1e3 if self.cuda else mark - self.t0
+
+    def reset(self, step: int = 0) -> None:
+        """Time zero is now (call right after a barrier) and `step` comes next; drops anything recorded."""
+        if self.cuda:
+            torch.cuda.synchronize()  # once, at start: the zero event then runs when the host says
+        self.t0 = time.perf_counter()
+        self.ref = self._now()
+        self._spans.clear()
+        self._steps.clear()
+        self.step = step
+        self._begin = self._now()
+
+    @contextlib.contextmanager
+    def span(self, kind: str, mb: int | None = None) -> Iterator[None]:
+        start = self._now()
+        yield
+        self._spans.append((kind, mb, self.step, start, self._now()))
+
+    def end_step(self, step: int) -> None:
+        """Step `step` ends now; it began where the previous one ended, so a stage's step time is its period
+        (what throughput sees), the monitor's own report time included as idle."""
+        end = self._now()
+        self._steps.append((step, self._begin, end))
+        self._begin = end
+        self.step = step + 1
+
+    def resolve(self) -> tuple[list[Span], list[tuple[int, float, float]]]:
+        """The spans and step intervals recorded since the last call, in seconds. Syncs the device on CUDA."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        spans = [Span(k, mb, st, self._seconds(a), self._seconds(b)) for k, mb, st, a, b in self._spans]
+        steps = [(st, self._seconds(a), self._seconds(b)) for st, a, b in self._steps]
+        self._spans.clear()
+        self._steps.clear()
+        return spans, steps
+
+
+def step_metrics(spans: list[Span], begin: float, end: float) -> dict[str, float]:
+    """Per-step times (ms) of one rank from its spans; idle is what is neither compute nor comm wait."""
+    ms = {k: 0.0 for k in CATEGORY}
+    for s in spans:
+        ms[s.kind] = ms.get(s.kind, 0.0) + (s.end - s.start) * 1e3
+    wall = max((end - begin) * 1e3, 1e-9)
+    compute = sum(ms[k] for k in COMPUTE)
+    wait = ms["WAIT_F"] + ms["WAIT_B"]
+    return {"time/forward_ms": ms["F"], "time/backward_ms": ms["B"], "time/comm_wait_ms": wait,
+            "time/optimizer_ms": ms["STEP"], "time/idle_ms": max(wall - compute - wait, 0.0),
+            "time/step_ms": wall, "pipeline/bubble_fraction": min(max(1.0 - compute / wall, 0.0), 1.0)}
+
+
+def window_metrics(spans: list[Span], steps: list[tuple[int, float, float]]) -> dict[str, float]:
+    """The mean of step_metrics over the steps of one report window."""
+    by_step: dict[int, list[Span]] = {}
+    for s in spans:
+        by_step.setdefault(s.step, []).append(s)
+    rows = [step_metrics(by_step.get(k, []), b, e) for k, b, e in steps]
+    return {key: sum(r[key] for r in rows) / len(rows) for key in rows[0]} if rows else {}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated CUDA memory, or on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
