@@ -22,7 +22,7 @@ import torch
 
 from partitioner.plan import Plan, PlanError
 from pipeflow import config
-from pipeflow.outputs import prepare_outputs
+from pipeflow.outputs import prepare_outputs, release_checkpoint_lock
 from pipeflow.schedule import SCHEDULES, ScheduleError
 from pipeflow.spec import ModelError, ModelSpec, build_model, parse_model_args
 
@@ -294,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         if torch.distributed.is_initialized():  # an agreed stop or error returns with the group still up
             torch.distributed.destroy_process_group()
         state.restore()
+        release_checkpoint_lock()
     return code
 
 

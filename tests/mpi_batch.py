@@ -2,7 +2,8 @@
 
     mpirun -np N python -m tests.mpi_batch cases.json
 
-`cases.json` is a list of {"id", "args", "env", "timeout", "out"}; every rank runs
+`cases.json` is a list of {"id", "args", "env", "timeout", "out", "before"}; rank 0 calls `before` (a
+"module:function" and its arguments, tests/conftest.py's Case), then every rank runs
 `pipeflow.train.main(args)` for each case in order, with `env` added to os.environ, and writes into
 the case's `out` directory:
 
@@ -77,6 +78,10 @@ def main(argv: list[str]) -> int:
     rank = comm.Get_rank()
     cases = json.loads(Path(argv[0]).read_text())
     for case in cases:
+        if case.get("before") and rank == 0:
+            from tests.conftest import call_before
+
+            call_before(case["before"])
         comm.Barrier()  # every rank starts a case together: no message of the previous one is pending
         t0 = time.perf_counter()
         code = run_case(case, rank)

@@ -17,7 +17,7 @@ from partitioner.profiler import profile_model
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.spec import build_model
 from pipeflow.stage import Stage
-from tests.conftest import BIN, mpi_env, run_mpi, write_plan
+from tests.conftest import BIN, Case, MpiRun, batched, mpi_env, write_plan
 from tests.reference import reference_flush, seed_of
 
 DROP = "tests.models:dropout_mlp"
@@ -165,51 +165,63 @@ def test_dropout_benchmark_prints_its_line_on_cpu() -> None:
 # ---------------------------------------------------------------------------------------------- mpirun
 
 
-def test_dropout_trains_the_same_whatever_the_plan(tmp_path: Path) -> None:
+def _drop_run(d: Path, name: str, np_: int, extra: list[str]) -> Case:
+    return Case(np_, ["--model", DROP, "--model-args", json.dumps(DROP_ARGS), *COMMON, "--dtype", "float64", *extra,
+                      "--save", str(d / f"{name}.pt")])
+
+
+def dropout_plans(d: Path) -> list[Case]:
+    plan = d / "plan.json"
+    write_plan(plan, "1f1b", M, [(2, 2), (2, 1)])
+    return [_drop_run(d, "np1", 1, ["--layers-per-stage", "even", "--schedule", "1f1b"]),
+            _drop_run(d, "replicated", 3, ["--plan", str(plan)]),
+            _drop_run(d, "straight", 2, ["--layers-per-stage", "even", "--schedule", "gpipe"])]
+
+
+@batched(dropout_plans)
+def test_dropout_trains_the_same_whatever_the_plan(mpi: MpiRun) -> None:
     """-np 1, a replicated stage (2+1 ranks) and a straight 2-stage pipeline: the reference's weights."""
     want = reference_flush(DROP, DROP_ARGS, steps=STEPS, microbatches=M, microbatch_size=B, optimizer="sgd",
                            lr=0.1, momentum=0.9, seed=SEED)
-    plan = tmp_path / "plan.json"
-    write_plan(plan, "1f1b", M, [(2, 2), (2, 1)])
-    runs = {"np1": (1, ["--layers-per-stage", "even", "--schedule", "1f1b"]),
-            "replicated": (3, ["--plan", str(plan)]),
-            "straight": (2, ["--layers-per-stage", "even", "--schedule", "gpipe"])}
     initial = reference_flush(DROP, DROP_ARGS, steps=0, microbatches=M, microbatch_size=B, seed=SEED)
     assert any(not torch.equal(want[k], initial[k]) for k in want)
-    for name, (np_, extra) in runs.items():
-        out = tmp_path / f"{name}.pt"
-        proc = run_mpi(np_, ["--model", DROP, "--model-args", json.dumps(DROP_ARGS), *COMMON, "--dtype", "float64",
-                             *extra, "--save", str(out)])
+    for name, proc in zip(["np1", "replicated", "straight"], mpi.procs):
         check_probes(proc.stderr, microbatches=STEPS * M, layers=DROP_ARGS["layers"])
-        assert_same(torch.load(out, weights_only=True), want)
+        assert_same(torch.load(mpi.dir / f"{name}.pt", weights_only=True), want)
 
 
-def test_asynchronous_schedules_draw_per_microbatch_and_layer(tmp_path: Path) -> None:
+def async_dropout(d: Path) -> list[Case]:
+    plan = d / "plan.json"
+    write_plan(plan, "2bw", M, [(2, 2), (2, 1)])
+    return [_drop_run(d, "np1", 1, ["--layers-per-stage", "even", "--schedule", "2bw"]),
+            _drop_run(d, "replicated", 3, ["--plan", str(plan)]),
+            _drop_run(d, "async", 3, ["--plan", str(plan), "--schedule", "async"])]
+
+
+@batched(async_dropout)
+def test_asynchronous_schedules_draw_per_microbatch_and_layer(mpi: MpiRun) -> None:
     """2bw's weights do not depend on the plan (-np 1 and a replicated stage agree); async (weight stashing)
     draws per (seed, t, i) on every replica."""
-    plan = tmp_path / "plan.json"
-    write_plan(plan, "2bw", M, [(2, 2), (2, 1)])
     saved = []
-    runs = {"np1": (1, ["--layers-per-stage", "even", "--schedule", "2bw"]),
-            "replicated": (3, ["--plan", str(plan)]),
-            "async": (3, ["--plan", str(plan), "--schedule", "async"])}
-    for name, (np_, extra) in runs.items():
-        out = tmp_path / f"{name}.pt"
-        proc = run_mpi(np_, ["--model", DROP, "--model-args", json.dumps(DROP_ARGS), *COMMON, "--dtype", "float64",
-                             *extra, "--save", str(out)])
+    for name, proc in zip(["np1", "replicated", "async"], mpi.procs):
         check_probes(proc.stderr, microbatches=STEPS * M, layers=DROP_ARGS["layers"])
-        saved.append(torch.load(out, weights_only=True))
+        saved.append(torch.load(mpi.dir / f"{name}.pt", weights_only=True))
     assert_same(saved[1], saved[0])
 
 
-def test_on_the_spot_plan_leaves_batchnorm_alone_and_frees_other_stages(tmp_path: Path) -> None:
+def batchnorm_on_the_spot(d: Path) -> Case:
+    args = {"layers": 4, "p": 0.0, "report_alive": True}
+    return Case(2, ["--model", NORM, "--model-args", json.dumps(args), *COMMON, "--dtype", "float64", "--straight",
+                    "--save", str(d / "model.pt")], env={"PIPEFLOW_LOG": "INFO"})
+
+
+@batched(batchnorm_on_the_spot)
+def test_on_the_spot_plan_leaves_batchnorm_alone_and_frees_other_stages(mpi: MpiRun) -> None:
     """No --plan: rank 0 profiles a BatchNorm model in a sandbox, so the run equals the reference, buffers
     included; after set-up each rank holds only its own stage's layers."""
     args = {"layers": 4, "p": 0.0}
-    out = tmp_path / "model.pt"
-    proc = run_mpi(2, ["--model", NORM, "--model-args", json.dumps({**args, "report_alive": True}), *COMMON,
-                       "--dtype", "float64", "--straight", "--save", str(out)], env={"PIPEFLOW_LOG": "INFO"})
-    got = torch.load(out, weights_only=True)
+    proc = mpi.proc
+    got = torch.load(mpi.dir / "model.pt", weights_only=True)
     want = reference_flush(NORM, args, steps=STEPS, microbatches=M, microbatch_size=B, optimizer="sgd", lr=0.1,
                            momentum=0.9, seed=SEED)
     assert any("running_mean" in k for k in want)
@@ -224,14 +236,19 @@ def test_on_the_spot_plan_leaves_batchnorm_alone_and_frees_other_stages(tmp_path
         assert last[1] == list(range(cut, 4))
 
 
-def test_float64_model_trains_in_float64_without_dtype(tmp_path: Path) -> None:
-    args = {"layers": 4, "p": 0.0, "dtype": "float64"}
-    out = tmp_path / "model.pt"
-    run_mpi(2, ["--model", DROP, "--model-args", json.dumps(args), *COMMON, "--layers-per-stage", "even",
-                "--save", str(out)])
-    got = torch.load(out, weights_only=True)
+F64_ARGS = {"layers": 4, "p": 0.0, "dtype": "float64"}
+
+
+def float64_model(d: Path) -> Case:
+    return Case(2, ["--model", DROP, "--model-args", json.dumps(F64_ARGS), *COMMON, "--layers-per-stage", "even",
+                    "--save", str(d / "model.pt")])
+
+
+@batched(float64_model)
+def test_float64_model_trains_in_float64_without_dtype(mpi: MpiRun) -> None:
+    got = torch.load(mpi.dir / "model.pt", weights_only=True)
     assert all(v.dtype == torch.float64 for v in got.values())
-    assert_same(got, reference_flush(DROP, args, steps=STEPS, microbatches=M, microbatch_size=B, optimizer="sgd",
+    assert_same(got, reference_flush(DROP, F64_ARGS, steps=STEPS, microbatches=M, microbatch_size=B, optimizer="sgd",
                                      lr=0.1, momentum=0.9, seed=SEED))
 
 
