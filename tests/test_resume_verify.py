@@ -33,6 +33,7 @@ def runs(d: Path) -> list[Case]:
     """The module's one batched run: 4 steps with checkpoints at 2 and 4, a trace and TensorBoard scalars
     (first/); resumed past a bit flip in a copy (flipped/); resumed with --steps 4 in another (again/)."""
     first, flipped, again = d / "first", d / "flipped", d / "again"
+    first.mkdir()
     return [Case(2, [*COMMON, "--steps", "4", "--checkpoint-dir", str(first / "ck"), "--trace",
                      str(first / "trace.json"), "--tensorboard", str(first / "tb")]),
             Case(2, [*COMMON, "--steps", "6", "--checkpoint-dir", str(flipped / "ck"), "--resume", "--trace",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -17,7 +16,7 @@ from partitioner.profiler import profile_model
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.spec import build_model
 from pipeflow.stage import Stage
-from tests.conftest import BIN, Case, MpiRun, batched, mpi_env, write_plan
+from tests.conftest import Case, MpiRun, batched, write_plan
 from tests.reference import reference_flush, seed_of
 
 DROP = "tests.models:dropout_mlp"
@@ -134,30 +133,44 @@ LAYER = (r"one layer needs about \d+\.\d GiB for its input, output and saved act
     ("mlp", {}, 10**12, HOST),
     ("gpt", {"seq_len": 8, "d_model": 512}, 10**7, LAYER),  # 1.3 GB of tokens, terabytes of activations
 ])
-def test_profile_refuses_a_microbatch_that_cannot_fit(tmp_path: Path, model: str, args: dict[str, int], size: int,
-                                                     text: str) -> None:
-    """At once (before collating it), one line, exit 2."""
+def test_profile_refuses_a_microbatch_that_cannot_fit(tmp_path: Path, capfd: pytest.CaptureFixture[str], model: str,
+                                                     args: dict[str, int], size: int, text: str) -> None:
+    """At once (before collating it), one line, exit 2 (pipeflow-profile's main in this process; the console
+    script itself is test_partitioner_profile.py's test_profile_cli)."""
+    from partitioner.profiler import main
+
     out = tmp_path / "profile.json"
-    proc = subprocess.run([str(BIN / "pipeflow-profile"), "--model", model, "--model-args", json.dumps(args),
-                           "--microbatch-size", str(size), "-o", str(out)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.splitlines()
-    assert len(lines) == 1, proc.stderr
+    code = main(["--model", model, "--model-args", json.dumps(args), "--microbatch-size", str(size), "-o", str(out)])
+    err = capfd.readouterr().err
+    assert code == 2, err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
     assert re.fullmatch(rf"pipeflow-profile: error: --microbatch-size {size} cannot work: {text}; use a smaller "
                         r"--microbatch-size", lines[0]), lines[0]
     assert not out.exists()
 
 
-def test_dropout_benchmark_prints_its_line_on_cpu() -> None:
+def test_dropout_benchmark_prints_its_line_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """The benchmark script's main in this process (it would start python and torch again)."""
+    import importlib.util
+
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "bench_dropout_rng.py"
-    proc = subprocess.run([sys.executable, str(bench), "--iters", "2", "--rounds", "1"], capture_output=True,
-                          text=True, timeout=120, env={**mpi_env(), "PYTHONPATH": str(bench.parents[2])})
-    assert proc.returncode == 0, proc.stderr
+    spec = importlib.util.spec_from_file_location("bench_dropout_rng", bench)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rng, dtype = torch.get_rng_state(), torch.get_default_dtype()
+    try:
+        assert module.main(["--iters", "2", "--rounds", "1"]) == 0
+    finally:
+        torch.set_rng_state(rng)
+        torch.set_default_dtype(dtype)
+    proc = capsys.readouterr()
     ms = r"(\d+\.\d{3})"
     m = re.fullmatch(rf"bench_dropout_rng: cpu, gpt 2x64 seq 32 microbatch 4 float32, dropout 0.1: seeded {ms} "
                      rf"ms/microbatch, plain {ms} ms/microbatch, ratio (\d+\.\d{{3}}) \(no dropout {ms} ms; 4 seeded "
-                     r"layers per microbatch\)\n", proc.stdout)
-    assert m, proc.stdout
+                     r"layers per microbatch\)\n", proc.out)
+    assert m, proc.out
     seeded, plain, ratio = float(m.group(1)), float(m.group(2)), float(m.group(3))
     assert seeded > 0 and plain > 0 and ratio == pytest.approx(seeded / plain, abs=2e-3)
 
