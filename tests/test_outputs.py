@@ -231,6 +231,17 @@ def test_consecutive_runs_in_one_process_on_one_checkpoint_dir(mpi: MpiRun):
     assert (mpi.dir / "ck" / "step-000004" / "COMPLETE").is_file()
 
 
+MOUNTED: list[Path] = []  # the batched runs' tmpfs mounts, unmounted after this module's tests
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _unmount_batched_tmpfs():
+    """However its tests end (an error in the batch, a deselected test), no mount outlives the module."""
+    yield
+    while MOUNTED:
+        subprocess.run(["umount", "-l", str(MOUNTED.pop())], check=False, capture_output=True)
+
+
 def tiny_mount(d: Path) -> Path:
     """A 64 KiB tmpfs at d/tiny (a disk that fills up), or a plain directory and d/no-tmpfs saying why."""
     tiny = d / "tiny"
@@ -240,26 +251,18 @@ def tiny_mount(d: Path) -> Path:
         proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tiny)], capture_output=True,
                               text=True)
         if proc.returncode == 0:
+            MOUNTED.append(tiny)
             return tiny
         why = f"cannot mount a tmpfs (needs root with CAP_SYS_ADMIN): {proc.stderr.strip()}"
     (d / "no-tmpfs").write_text(why)
     return tiny
 
 
-@pytest.fixture
-def tiny_of(request):
-    """The batched run's tmpfs: skip if there is none, unmount it after the test."""
-    dirs: list[Path] = []
-
-    def get(mpi: MpiRun) -> Path:
-        dirs.append(mpi.dir / "tiny")
-        if (mpi.dir / "no-tmpfs").exists():
-            pytest.skip((mpi.dir / "no-tmpfs").read_text())
-        return mpi.dir / "tiny"
-
-    yield get
-    for d in dirs:
-        subprocess.run(["umount", "-l", str(d)], check=False, capture_output=True)
+def tiny_of(mpi: MpiRun) -> Path:
+    """The batched run's tmpfs, or skip if there is none."""
+    if (mpi.dir / "no-tmpfs").exists():
+        pytest.skip((mpi.dir / "no-tmpfs").read_text())
+    return mpi.dir / "tiny"
 
 
 def disk_full_checkpoint(d: Path) -> Case:
@@ -268,7 +271,7 @@ def disk_full_checkpoint(d: Path) -> Case:
 
 
 @batched(disk_full_checkpoint)
-def test_disk_full_while_checkpointing_is_one_line_and_the_step_stays_unmarked(mpi: MpiRun, tiny_of):
+def test_disk_full_while_checkpointing_is_one_line_and_the_step_stays_unmarked(mpi: MpiRun):
     tiny_fs = tiny_of(mpi)
     proc = mpi.proc
     assert proc.returncode == 2, proc.stderr
@@ -288,7 +291,7 @@ def failed_final_save(d: Path) -> Case:
 
 
 @batched(failed_final_save)
-def test_failed_final_save_keeps_the_weights_next_to_the_checkpoints(mpi: MpiRun, tiny_of):
+def test_failed_final_save_keeps_the_weights_next_to_the_checkpoints(mpi: MpiRun):
     tiny_fs = tiny_of(mpi)
     ck, save = mpi.dir / "ck", tiny_fs / "model.pt"
     proc = mpi.proc
