@@ -32,8 +32,11 @@ the test takes `mpi` and reads its files from `mpi.dir` and the output from `mpi
   interleaved as mpirun prints them); `.returncode` is the first non-zero rank exit code, or 0.
 - By default a non-zero exit fails the test with the run's output; `Case(check=False)` for a run that
   returns non-zero on purpose (then assert on `mpi.proc.returncode`).
-- Runs that are meant to fail or abort (bad input, signals, dead or stopped ranks, NaN) stay launches
-  of their own (`run_mpi`, or Popen for signals): one that calls MPI Abort would end the whole batch.
+- A run that fails where pipeflow.train.main *returns* its code (a set-up error: exit 2; a stop every
+  rank agrees on, such as a non-finite step of a flush schedule: exit 4) is batched with check=False.
+  Runs with signals, dead or stopped ranks, an MPI Abort (asynchronous NaN, a rank's own error) and
+  tests of the console scripts stay launches of their own (`run_mpi`, or Popen for signals): an Abort
+  would end the whole batch.
 - `PIPEFLOW_TEST_NO_BATCH=1` runs every case as its own `mpirun -np N python -m pipeflow.train`, for
   debugging one; a case that hangs or crashes in a batch is reported with its output, and the cases
   after it run in a new batch.
