@@ -125,7 +125,21 @@ class CheckpointLock:
         os.fsync(self.fd)
 
     def release(self) -> None:
-        os.close(self.fd)
+        os.close(self.fd)  # closing the descriptor drops the fcntl lock
+
+
+# The lock this process holds for the running pipeflow.train.main call: released when it returns, so that
+# calls one after the other in one process (tests/mpi_batch.py) neither keep the directory locked nor leak
+# a file descriptor each.
+_held: CheckpointLock | None = None
+
+
+def release_checkpoint_lock() -> None:
+    """Release the --checkpoint-dir lock prepare_outputs took, if any (pipeflow.train.main's end)."""
+    global _held
+    if _held is not None:
+        lock, _held = _held, None
+        lock.release()
 
 
 def holder(path: Path) -> str:
@@ -140,10 +154,14 @@ def holder(path: Path) -> str:
 
 
 def prepare_outputs(args: Any, rank: int) -> CheckpointLock | None:
-    """Set-up: check every output path; rank 0 locks --checkpoint-dir (kept until the process exits)."""
+    """Set-up: check every output path; rank 0 locks --checkpoint-dir (kept until release_checkpoint_lock,
+    which pipeflow.train.main calls when it returns, or the process ends)."""
+    global _held
     check_outputs(args)
+    release_checkpoint_lock()  # one lock per process: a call that did not return normally left its lock
     if args.checkpoint_dir and rank == 0:
-        return CheckpointLock(args.checkpoint_dir)
+        _held = CheckpointLock(args.checkpoint_dir)
+        return _held
     return None
 
 

@@ -22,7 +22,7 @@ import torch
 from partitioner.plan import PlanError
 from pipeflow import config
 from pipeflow.failure import UsageError
-from pipeflow.outputs import prepare_outputs
+from pipeflow.outputs import prepare_outputs, release_checkpoint_lock
 from pipeflow.planning import check_ties, make_plan
 from pipeflow.runner import DTYPES, run
 from pipeflow.schedule import SCHEDULES, ScheduleError, schedule_kind
@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         if torch.distributed.is_initialized():  # an agreed stop or error returns with the group still up
             torch.distributed.destroy_process_group()
         state.restore()
+        release_checkpoint_lock()
     return code
 
 

@@ -32,11 +32,16 @@ the test takes `mpi` and reads its files from `mpi.dir` and the output from `mpi
   interleaved as mpirun prints them); `.returncode` is the first non-zero rank exit code, or 0.
 - By default a non-zero exit fails the test with the run's output; `Case(check=False)` for a run that
   returns non-zero on purpose (then assert on `mpi.proc.returncode`).
-- Runs that are meant to fail or abort (bad input, signals, dead or stopped ranks, NaN) stay launches
-  of their own (`run_mpi`, or Popen for signals): one that calls MPI Abort would end the whole batch.
+- A run that fails where pipeflow.train.main *returns* its code (a set-up error: exit 2; a stop every
+  rank agrees on, such as a non-finite step of a flush schedule: exit 4) is batched with check=False.
+  Runs with signals, dead or stopped ranks, an MPI Abort (asynchronous NaN, a rank's own error) and
+  tests of the console scripts stay launches of their own (`run_mpi`, or Popen for signals): an Abort
+  would end the whole batch.
 - `PIPEFLOW_TEST_NO_BATCH=1` runs every case as its own `mpirun -np N python -m pipeflow.train`, for
   debugging one; a case that hangs or crashes in a batch is reported with its output, and the cases
   after it run in a new batch.
+- `Case(before=("module:function", [args]))` runs that function once (rank 0) before the case: e.g. to
+  copy and damage what an earlier case of the list wrote.
 - Every launch has a timeout: `Case.timeout` per case (the batch driver dumps the stacks and ends the
   job when a case runs past it), their sum plus start-up for the batch's mpirun.
 """
@@ -112,6 +117,18 @@ class Case:
     env: dict[str, str] = field(default_factory=dict)
     timeout: float = 120.0
     check: bool = True
+    # "module:function" and its JSON arguments, called once (rank 0) before the case runs: files a case
+    # needs that an earlier case of the list writes (a copy of a checkpoint to damage, say).
+    before: tuple[str, list[Any]] | None = None
+
+
+def call_before(before: tuple[str, list[Any]] | list[Any] | None) -> None:
+    """Run a case's `before` hook in this process."""
+    if before:
+        import importlib
+
+        module, _, name = before[0].partition(":")
+        getattr(importlib.import_module(module), name)(*before[1])
 
 
 @dataclass
@@ -121,6 +138,7 @@ class MpiRun:
 
     dir: Path
     procs: list[subprocess.CompletedProcess[str]]
+    seconds: list[float] = field(default_factory=list)  # each case's time in pipeflow.train.main (slowest rank)
 
     @property
     def proc(self) -> subprocess.CompletedProcess[str]:
@@ -137,6 +155,7 @@ class _Step:
     case: Case
     out: Path
     proc: subprocess.CompletedProcess[str] | None = None
+    seconds: float = float("nan")
 
 
 def batched(build: Builder) -> pytest.MarkDecorator:
@@ -231,16 +250,18 @@ class Batches:
                 self._run_group(n)
         steps = self.steps[key]
         assert all(s.proc is not None for s in steps)
-        return MpiRun(self.dirs[key], [s.proc for s in steps if s.proc is not None])
+        return MpiRun(self.dirs[key], [s.proc for s in steps if s.proc is not None], [s.seconds for s in steps])
 
     def _run_group(self, n: int) -> None:
         todo = [s for steps in self.steps.values() for s in steps if s.case.np == n]
         # Within a test, its cases in order; tests in collection order.
         if os.environ.get("PIPEFLOW_TEST_NO_BATCH") == "1":
             for s in todo:
+                call_before(s.case.before)
                 t0 = time.monotonic()
                 s.proc = run_mpi(n, s.case.args, timeout=s.case.timeout, check=False, env=s.case.env)
-                self.launches.append((n, 1, time.monotonic() - t0))
+                s.seconds = time.monotonic() - t0
+                self.launches.append((n, 1, s.seconds))
             return
         attempt = 0
         while todo:
@@ -250,7 +271,7 @@ class Batches:
     def _launch(self, n: int, todo: list[_Step], path: Path) -> list[_Step]:
         """One mpirun for `todo`; returns the cases after the first that did not finish (to run again)."""
         path.write_text(json.dumps([{"id": s.key, "args": s.case.args, "env": s.case.env, "timeout": s.case.timeout,
-                                     "out": str(s.out)} for s in todo], indent=1))
+                                     "out": str(s.out), "before": s.case.before} for s in todo], indent=1))
         cmd = [_mpirun(), "-np", str(n), sys.executable, "-m", "tests.mpi_batch", str(path)]
         limit = BATCH_STARTUP_S + sum(s.case.timeout for s in todo)
         t0 = time.monotonic()
@@ -268,6 +289,7 @@ class Batches:
             codes = [_read_code(s.out / f"rank{r}.json") for r in range(n)]
             if all(c is not None for c in codes):
                 s.proc = _completed(s, codes)
+                s.seconds = max(_read_seconds(s.out / f"rank{r}.json") for r in range(n))
                 continue
             tail = (f"\n--- {' '.join(cmd)}: {why} before this case finished\n"
                     f"stdout:\n{out[-5000:]}\nstderr:\n{err[-5000:]}")
@@ -281,6 +303,13 @@ def _read_code(path: Path) -> int | None:
         return int(json.loads(path.read_text())["returncode"])
     except (OSError, ValueError, KeyError):
         return None
+
+
+def _read_seconds(path: Path) -> float:
+    try:
+        return float(json.loads(path.read_text())["seconds"])
+    except (OSError, ValueError, KeyError):
+        return float("nan")
 
 
 def _completed(s: _Step, codes: list[int | None], extra: str = "") -> subprocess.CompletedProcess[str]:

@@ -2,7 +2,8 @@
 
     mpirun -np N python -m tests.mpi_batch cases.json
 
-`cases.json` is a list of {"id", "args", "env", "timeout", "out"}; every rank runs
+`cases.json` is a list of {"id", "args", "env", "timeout", "out", "before"}; rank 0 calls `before` (a
+"module:function" and its arguments, tests/conftest.py's Case), then every rank runs
 `pipeflow.train.main(args)` for each case in order, with `env` added to os.environ, and writes into
 the case's `out` directory:
 
@@ -77,9 +78,28 @@ def main(argv: list[str]) -> int:
     rank = comm.Get_rank()
     cases = json.loads(Path(argv[0]).read_text())
     for case in cases:
-        comm.Barrier()  # every rank starts a case together: no message of the previous one is pending
+        failed = None
+        if case.get("before") and rank == 0:
+            try:
+                from tests.conftest import call_before
+
+                call_before(case["before"])
+            except BaseException:  # the case fails with it; the others run (every rank must go on together)
+                failed = traceback.format_exc()
+        # Every rank starts a case together (no message of the previous one is pending), knowing whether
+        # its `before` failed.
+        failed = comm.bcast(failed, root=0)
+        comm.Barrier()
         t0 = time.perf_counter()
-        code = run_case(case, rank)
+        if failed is None:
+            code = run_case(case, rank)
+        else:
+            out = Path(case["out"])
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"rank{rank}.out").write_text("")
+            (out / f"rank{rank}.err").write_text(f"the case's before {case['before']} failed:\n{failed}"
+                                                 if rank == 0 else "")
+            code = 1
         result = {"returncode": code, "seconds": round(time.perf_counter() - t0, 3)}
         (Path(case["out"]) / f"rank{rank}.json").write_text(json.dumps(result))
     comm.Barrier()

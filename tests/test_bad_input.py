@@ -10,18 +10,19 @@ import sys
 import threading
 import time
 from os import popen  # noqa: F401  (re-exported standard-library function: must be refused as a builder)
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from partitioner.plan import even_plan
+from partitioner.plan import PlanError, even_plan
 from pipeflow import config
 from pipeflow.models import mlp
 from pipeflow.schedule import SCHEDULES
 from pipeflow.spec import ModelError, ModelSpec, build_model, resolve_builder
-from pipeflow.train import build_parser, check_args
-from tests.conftest import MPIRUN, mpi_env, write_plan
+from pipeflow.train import build_parser, check_args, main
+from tests.conftest import MPIRUN, Case, MpiRun, batched, mpi_env, run_mpi, write_plan
 from tests.reference import reference_flush
 
 MLP = {"layers": 4, "hidden": 8, "d_in": 4, "samples": 64}
@@ -82,10 +83,9 @@ def test_device_cuda_without_a_gpu_is_a_usage_error():
 
 
 def test_plan_schedule_and_action_list_size_are_checked_at_setup():
-    args = build_parser().parse_args(BASE)
-    with pytest.raises(config.ConfigError, match=r"^the plan's schedule 'zb' is unknown: expected one of gpipe, "
-                                                 r"1f1b, async, 2bw \(edit the plan or pass --schedule\)$"):
-        config.check_plan(even_plan(4, 2, schedule="zb", microbatches=4), args, SCHEDULES)
+    # The plan itself refuses a schedule pipeflow does not know (partitioner/plan.py: Plan.validate)...
+    with pytest.raises(PlanError, match=r"^plan\.schedule must be one of gpipe, 1f1b, async, 2bw, found 'zb'$"):
+        even_plan(4, 2, schedule="zb", microbatches=4)
     # async runs all --steps as one list without --checkpoint-dir: 8 x 1000000 microbatches cannot be built...
     args = build_parser().parse_args([*BASE, "--schedule", "async", "--steps", "1000000"])
     with pytest.raises(config.ConfigError, match=r"^--schedule async with 8 microbatches x 1000000 steps per segment "
@@ -97,15 +97,18 @@ def test_plan_schedule_and_action_list_size_are_checked_at_setup():
     assert config.check_plan(even_plan(4, 2, schedule="async", microbatches=8), args, SCHEDULES) == 800
 
 
-def test_parse_errors_are_one_line_written_once(tmp_path):
-    """argparse's own errors come before MPI: only the launcher's rank 0 says them, in one line."""
-    code = "import sys; from pipeflow.train import main; sys.exit(main(['--lr', 'fast']))"
+def test_parse_errors_are_one_line_written_once(monkeypatch, capfd):
+    """argparse's own errors come before MPI: only the launcher's rank 0 says them, in one line (main in
+    this process: the error comes before mpi4py is imported)."""
     outs = []
     for rank in ("0", "1"):
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                           env={**mpi_env(), "PMI_RANK": rank})
-        assert p.returncode == 2
-        outs.append(p.stderr)
+        monkeypatch.setenv("PMI_RANK", rank)
+        with pytest.raises(SystemExit) as e:
+            main(["--lr", "fast"])
+        assert e.value.code == 2
+        captured = capfd.readouterr()
+        assert captured.out == ""
+        outs.append(captured.err)
     assert outs == ["pipeflow-train: error: argument --lr: invalid float value: 'fast' (see pipeflow-train --help)\n",
                     ""]
 
@@ -125,46 +128,35 @@ def test_builders_that_are_not_python_functions_of_user_code_are_refused(tmp_pat
     assert "runs that code" in " ".join(build_parser().format_help().split())
 
 
-def _run_all(cases: dict[str, tuple[int, list[str], dict[str, str]]]) -> dict[str, tuple[int, str, float]]:
-    """Start every case's mpirun at once (start-up dominates); {name: (exit code, stderr, seconds)}."""
-    t0 = time.monotonic()
-    procs = {name: subprocess.Popen([str(MPIRUN), "-np", str(np_), sys.executable, "-m", "pipeflow.train", *argv],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    env={**mpi_env(), **env})
-             for name, (np_, argv, env) in cases.items()}
-    out = {}
-    for name, p in procs.items():
-        try:
-            _, err = p.communicate(timeout=240)
-        finally:
-            p.kill()
-        out[name] = (p.returncode, err, time.monotonic() - t0)
-    return out
-
-
-def test_bad_setups_end_to_end_print_one_whole_line(tmp_path):
-    """Under mpirun with PYTHONUNBUFFERED=1: exactly one error line, from rank 0, not glued to another;
-    --model os:system does not run the command; an unknown plan schedule stops at set-up on every rank;
-    --skip-nonfinite on a run that never recovers stops after --max-skips with the count."""
-    marker = tmp_path / "marker"
-    zb = tmp_path / "zb.json"
+def bad_setups(d: Path) -> list[Case]:
+    """Runs that stop at set-up (exit 2, no MPI Abort) or stop together at a step (exit 4): batched, with
+    check=False; the names are the tests' cases, in this order."""
+    zb = d / "zb.json"
     write_plan(zb, "zb", 4, [(2, 1), (2, 1)])
     nan = ["--model", "tests.test_bad_input:nan_data_mlp", "--model-args", json.dumps(MLP), "--device", "cpu",
            "--layers-per-stage", "even", "--optimizer", "sgd", "--microbatches", "2", "--steps", "50",
            "--skip-nonfinite", "--max-skips", "3"]
-    runs = _run_all({
-        "os:system": (4, ["--model", "os:system", "--model-args", json.dumps({"command": f"touch {marker}"})], {}),
-        "zb": (2, [*BASE, "--plan", str(zb)], {"PIPEFLOW_LOG": "INFO"}),
-        "huge m": (2, [*BASE, "--microbatches", "100000000"], {}),
-        "nan": (2, nan, {}),
-        "log level": (2, BASE, {"PIPEFLOW_LOG": "verbose"}),
-    })
+    marker = d / "marker"
+    return [Case(4, ["--model", "os:system", "--model-args", json.dumps({"command": f"touch {marker}"})], check=False),
+            Case(2, [*BASE, "--plan", str(zb)], env={"PIPEFLOW_LOG": "INFO"}, check=False),
+            Case(2, [*BASE, "--microbatches", "100000000"], check=False),
+            Case(2, nan, check=False),
+            Case(2, BASE, env={"PIPEFLOW_LOG": "verbose"}, check=False)]
+
+
+@batched(bad_setups)
+def test_bad_setups_end_to_end_print_one_whole_line(mpi: MpiRun):
+    """Under mpirun: exactly one error line, from rank 0; --model os:system does not run the command; an
+    unknown plan schedule stops at set-up on every rank; --skip-nonfinite on a run that never recovers
+    stops after --max-skips with the count. (That mpirun forwards the line whole under PYTHONUNBUFFERED=1
+    is test_set_up_error_under_mpirun_is_one_whole_line's.)"""
+    runs = dict(zip(["os:system", "zb", "huge m", "nan", "log level"], mpi.procs))
     for name, want, code in [
         ("os:system", "pipeflow-train: error: --model 'os:system' names Python's standard library, which has no "
                       "model builder: expected 'package.module:function' of your own code returning a "
                       "pipeflow.ModelSpec", 2),
-        ("zb", "pipeflow-train: error: the plan's schedule 'zb' is unknown: expected one of gpipe, 1f1b, async, 2bw "
-               "(edit the plan or pass --schedule)", 2),
+        ("zb", f"pipeflow-train: error: {mpi.dir / 'zb.json'}: plan.schedule must be one of gpipe, 1f1b, async, 2bw, "
+               "found 'zb'", 2),
         ("huge m", "pipeflow-train: error: --microbatches gives 100000000 microbatches in one schedule", 2),
         ("nan", "pipeflow-train: non-finite loss on stage 1 (the last) and gradients on stages 0, 1 at step 3: "
                 "3 consecutive steps skipped (3 in all; --skip-nonfinite stops after --max-skips 3 in a row), "
@@ -172,29 +164,43 @@ def test_bad_setups_end_to_end_print_one_whole_line(tmp_path):
         ("log level", "pipeflow-train: error: PIPEFLOW_LOG must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL (or "
                       "a number), found 'verbose'", 2),
     ]:
-        rc, err, took = runs[name]
+        proc = runs[name]
+        err = proc.stderr
         lines = [line for line in err.splitlines() if "pipeflow-train" in line]
-        assert rc == code and len(lines) == 1 and lines[0].startswith(want), (name, err)
+        assert proc.returncode == code and len(lines) == 1 and lines[0].startswith(want), (name, err)
         assert "Traceback" not in err, err
-    assert "[rank" not in runs["zb"][1], "set-up must stop before any rank starts training"
-    assert not marker.exists()
-    assert max(took for _, _, took in runs.values()) < 120
+    assert "[rank" not in runs["zb"].stderr, "set-up must stop before any rank starts training"
+    assert not (mpi.dir / "marker").exists()
+    assert max(mpi.seconds) < 120
 
 
-def test_more_samples_per_step_than_the_dataset_starts_at_once_and_trains_right(tmp_path):
+def test_set_up_error_under_mpirun_is_one_whole_line(tmp_path):
+    """A launch of its own: 4 ranks under mpirun with PYTHONUNBUFFERED=1, as pipeflow-launch sets it; the
+    error line reaches mpirun's stderr once and whole, not glued to another rank's output."""
+    marker = tmp_path / "marker"
+    proc = run_mpi(4, ["--model", "os:system", "--model-args", json.dumps({"command": f"touch {marker}"})],
+                   timeout=240, check=False)
+    lines = [line for line in proc.stderr.splitlines() if "pipeflow-train" in line]
+    assert proc.returncode == 2 and lines == [
+        "pipeflow-train: error: --model 'os:system' names Python's standard library, which has no model builder: "
+        "expected 'package.module:function' of your own code returning a pipeflow.ModelSpec"], proc.stderr
+    assert "Traceback" not in proc.stderr and not marker.exists()
+
+
+def many_microbatches(d: Path) -> Case:
+    return Case(2, [*BASE, "--microbatches", "512", "--microbatch-size", "1", "--steps", "1", "--optimizer", "sgd",
+                    "--lr", "0.05", "--dtype", "float64", "--save", str(d / "m.pt")])
+
+
+@batched(many_microbatches)
+def test_more_samples_per_step_than_the_dataset_starts_at_once_and_trains_right(mpi: MpiRun):
     """512 microbatches of 1 over 64 samples: the loader cycles (each sample 8 times a step); one step
     equals the single-process reference, and set-up is not slowed by m."""
-    out = tmp_path / "m.pt"
-    args = [*BASE, "--microbatches", "512", "--microbatch-size", "1", "--steps", "1", "--optimizer", "sgd",
-            "--lr", "0.05", "--dtype", "float64", "--save", str(out)]
-    runs = _run_all({"m512": (2, args, {})})
-    rc, err, took = runs["m512"]
-    assert rc == 0, err
     want = reference_flush("mlp", MLP, steps=1, microbatches=512, microbatch_size=1, lr=0.05)
-    got = torch.load(out, weights_only=True)
+    got = torch.load(mpi.dir / "m.pt", weights_only=True)
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, rtol=1e-10, atol=1e-12)
-    assert took < 90
+    assert mpi.seconds[0] < 90
 
 
 def test_ctrl_c_of_mpirun_during_async_without_checkpoint_dir_stops_cleanly(tmp_path):

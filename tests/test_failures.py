@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 
 from pipeflow.models import mlp
 from pipeflow.spec import ModelSpec
-from tests.conftest import MPIRUN, mpi_env, run_mpi
+from tests.conftest import MPIRUN, Case, MpiRun, batched, mpi_env
 
 MLP = {"layers": 6, "hidden": 16, "d_in": 8, "samples": 256}
 LONG = ["--model", "mlp", "--model-args", json.dumps(MLP), "--layers-per-stage", "even", "--microbatches", "4",
@@ -103,19 +103,25 @@ def test_killed_rank_ends_the_job_naming_it(tmp_path):
     assert "rank 1 stopped responding" in out or f"PID {pids[1]} " in out, out
 
 
-def test_nonfinite_loss_stops_with_step_and_stage(tmp_path):
+def nonfinite(d: Path) -> list[Case]:
+    """A flush schedule stops together at the step (exit 4, no MPI Abort), so both runs are batched."""
     args = ["--model", "tests.test_failures:nan_mlp", "--model-args", json.dumps(MLP), "--no-shuffle",
             "--layers-per-stage", "even",
             "--microbatches", "4", "--microbatch-size", "2", "--device", "cpu", "--steps", "5",
             "--optimizer", "sgd", "--lr", "0.05", "--timeout", "60"]
-    proc = run_mpi(2, args, timeout=120, check=False)
+    return [Case(2, args, check=False), Case(2, [*args, "--skip-nonfinite", "--save", str(d / "model.pt")])]
+
+
+@batched(nonfinite)
+def test_nonfinite_loss_stops_with_step_and_stage(mpi: MpiRun):
+    proc = mpi.procs[0]
     assert proc.returncode == 4, proc.stderr
     msgs = [line for line in proc.stderr.splitlines() if line.startswith("pipeflow-train:")]
     assert msgs == ["pipeflow-train: non-finite loss on stage 1 (the last) and gradients on stages 0, 1 at step 3; "
                     "the update was not applied. Lower --lr, check the data, or pass --skip-nonfinite to skip such "
                     "steps"], proc.stderr
-    out = tmp_path / "model.pt"
-    proc = run_mpi(2, [*args, "--skip-nonfinite", "--save", str(out)], timeout=120)
+    out = mpi.dir / "model.pt"
+    proc = mpi.procs[1]
     assert "non-finite loss on stage 1 (the last) and gradients on stages 0, 1 at step 3: step skipped" in proc.stderr
     model = torch.load(out, weights_only=True)
     assert all(v.isfinite().all() for v in model.values())

@@ -3,9 +3,7 @@ never a traceback; bad set-ups under mpirun stop every rank with a clear message
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -18,7 +16,7 @@ from torch.utils.data import TensorDataset
 
 from partitioner.plan import Plan, PlanError
 from pipeflow.spec import ModelSpec
-from tests.conftest import MPIRUN, mpi_env
+from tests.conftest import Case, MpiRun, batched
 
 try:
     from partitioner.profile import Profile, ProfileError
@@ -150,16 +148,22 @@ def plan_file(tmp_path, name, stages, workers=2):
     return str(tmp_path / name)
 
 
-def test_bad_setups_stop_every_rank_with_a_message(tmp_path):
+BAD_SETUPS = ["plan is for 3 workers but 2 processes", "plan covers layers [0, 5) but the model has 6",
+              "lists ranks [0] more than once", "cannot split 1 layers into 2 stages", "unknown schedule 'zb'",
+              "unknown model 'resnet'", "--steps must be >= 1, found 0", "--checkpoint-every needs --checkpoint-dir"]
+
+
+def bad_setups(d: Path) -> list[Case]:
+    """Set-up errors (exit 2, no MPI Abort), one case each in BAD_SETUPS' order: batched, check=False."""
     mlp = ["--model", "mlp", "--model-args", '{"layers": 6, "samples": 32}', "--device", "cpu", "--steps", "1",
            "--layers-per-stage", "even"]
     cases = {
         "plan is for 3 workers but 2 processes": [*mlp, "--plan", plan_file(
-            tmp_path, "three.json", [((0, 2), [0]), ((2, 4), [1]), ((4, 6), [2])], workers=3)],
+            d, "three.json", [((0, 2), [0]), ((2, 4), [1]), ((4, 6), [2])], workers=3)],
         "plan covers layers [0, 5) but the model has 6": [*mlp, "--plan", plan_file(
-            tmp_path, "short.json", [((0, 3), [0]), ((3, 5), [1])])],
+            d, "short.json", [((0, 3), [0]), ((3, 5), [1])])],
         "lists ranks [0] more than once": [*mlp, "--plan", plan_file(
-            tmp_path, "dup.json", [((0, 3), [0]), ((3, 6), [0])])],
+            d, "dup.json", [((0, 3), [0]), ((3, 6), [0])])],
         "cannot split 1 layers into 2 stages": ["--model", "tests.test_fuzz:one_layer", "--device", "cpu",
                                                 "--layers-per-stage", "even"],
         "unknown schedule 'zb'": [*mlp, "--schedule", "zb"],
@@ -167,17 +171,16 @@ def test_bad_setups_stop_every_rank_with_a_message(tmp_path):
         "--steps must be >= 1, found 0": [*mlp, "--steps", "0"],
         "--checkpoint-every needs --checkpoint-dir": [*mlp, "--checkpoint-every", "2"],
     }
-    t0 = time.monotonic()
-    procs = {want: subprocess.Popen([str(MPIRUN), "-np", "2", sys.executable, "-m", "pipeflow.train", *args],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=mpi_env())
-             for want, args in cases.items()}
-    for want, proc in procs.items():
-        try:
-            _, err = proc.communicate(timeout=120)
-        finally:
-            proc.kill()
+    assert list(cases) == BAD_SETUPS
+    return [Case(2, args, check=False) for args in cases.values()]
+
+
+@batched(bad_setups)
+def test_bad_setups_stop_every_rank_with_a_message(mpi: MpiRun):
+    for want, proc in zip(BAD_SETUPS, mpi.procs, strict=True):
+        err = proc.stderr
         assert proc.returncode == 2, err
         lines = [line for line in err.splitlines() if line.startswith("pipeflow-train: error: ")]
         assert len(lines) == 1 and want in lines[0], err  # every rank agrees: rank 0 says it once
         assert "Traceback" not in err, err
-    assert time.monotonic() - t0 < 90  # all eight together, on a loaded 2-core machine
+    assert sum(mpi.seconds) < 90  # all eight, on a loaded 2-core machine

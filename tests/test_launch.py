@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli import train_program
+from launch.cli import main, train_program
 from launch.command import PASSTHROUGH_ENV, LaunchError, mpirun_command, rank_env, train_command
 from launch.hosts import Host, HostsError, check_slots, parse_hosts
 
@@ -31,8 +31,30 @@ def write_plan(path: Path, workers: int) -> Path:
 
 
 def launch(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`pipeflow-launch args` as a process of its own: the console script end to end (the real runs below)."""
     return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT)
+
+
+@pytest.fixture
+def launch_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """launch(...)'s result from pipeflow-launch's main in this process, for the runs that start no mpirun."""
+    def call(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        if env is not None:
+            for k in list(os.environ):
+                if k not in env:
+                    monkeypatch.delenv(k)
+            for k, v in env.items():
+                monkeypatch.setenv(k, v)
+        monkeypatch.chdir(ROOT)
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's errors
+            code = e.code if isinstance(e.code, int) else 1
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(["pipeflow-launch", *args], code, out.out, out.err)
+
+    return call
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -129,9 +151,9 @@ def test_train_args_may_not_name_a_plan(args: list[str]) -> None:
 
 @needs_mpirun
 @pytest.mark.parametrize("mpi", ["mpich", "auto"])
-def test_dry_run_mpich(tmp_path: Path, mpi: str) -> None:
+def test_dry_run_mpich(launch_main, tmp_path: Path, mpi: str) -> None:
     plan = write_plan(tmp_path / "plan.json", 4)
-    r = launch("--plan", str(plan), "--hosts", "h1:2,h2:2", "--mpirun", str(MPIRUN), "--mpi", mpi,
+    r = launch_main("--plan", str(plan), "--hosts", "h1:2,h2:2", "--mpirun", str(MPIRUN), "--mpi", mpi,
                "--env", "FOO=a b", "--dry-run", "--", "--steps", "3", "--model", "gpt",
                env=clean_env(NCCL_NVLS_ENABLE="0"))
     assert r.returncode == 0, r.stderr
@@ -141,12 +163,12 @@ def test_dry_run_mpich(tmp_path: Path, mpi: str) -> None:
     assert r.stdout == shlex.join(expected) + "\n"
 
 
-def test_dry_run_openmpi_detected(tmp_path: Path) -> None:
+def test_dry_run_openmpi_detected(launch_main, tmp_path: Path) -> None:
     fake = tmp_path / "mpirun"
     fake.write_text("#!/bin/sh\necho 'mpirun (Open MPI) 4.1.5'\n")
     fake.chmod(0o755)
     plan = write_plan(tmp_path / "plan.json", 4)
-    r = launch("--plan", str(plan), "--mpirun", str(fake), "--dry-run", "--", "--steps", "3", env=clean_env())
+    r = launch_main("--plan", str(plan), "--mpirun", str(fake), "--dry-run", "--", "--steps", "3", env=clean_env())
     assert r.returncode == 0, r.stderr
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
     over = ["--oversubscribe"] if 4 > (os.cpu_count() or 1) else []
@@ -155,8 +177,8 @@ def test_dry_run_openmpi_detected(tmp_path: Path) -> None:
     assert r.stdout == shlex.join(expected) + "\n"
 
 
-def test_missing_plan(tmp_path: Path) -> None:
-    r = launch("--plan", str(tmp_path / "nope.json"), "--dry-run")
+def test_missing_plan(launch_main, tmp_path: Path) -> None:
+    r = launch_main("--plan", str(tmp_path / "nope.json"), "--dry-run")
     assert r.returncode == 2
     assert r.stderr == f"pipeflow-launch: error: cannot read plan {tmp_path / 'nope.json'}: No such file or directory\n"
     assert r.stdout == ""
@@ -173,18 +195,18 @@ def test_missing_plan(tmp_path: Path) -> None:
     (["--", "--plan", "other.json"], "contain --plan, but pipeflow-launch passes --plan"),
     (["--mpirun", "/bin/true"], "cannot tell the MPI flavour of /bin/true: expected 'HYDRA'/'MPICH' or"),
 ])
-def test_bad_input_exits_2(tmp_path: Path, args: list[str], message: str) -> None:
+def test_bad_input_exits_2(launch_main, tmp_path: Path, args: list[str], message: str) -> None:
     plan = write_plan(tmp_path / "plan.json", 2)
-    r = launch("--plan", str(plan), "--dry-run", *args)
+    r = launch_main("--plan", str(plan), "--dry-run", *args)
     assert r.returncode == 2
     assert r.stderr.startswith("pipeflow-launch: error: ") and message in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
 
 
-def test_invalid_plan(tmp_path: Path) -> None:
+def test_invalid_plan(launch_main, tmp_path: Path) -> None:
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"format": "pipeflow.plan/0", "workers": 2}))
-    r = launch("--plan", str(plan), "--dry-run")
+    r = launch_main("--plan", str(plan), "--dry-run")
     assert r.returncode == 2
     assert r.stderr == f"pipeflow-launch: error: {plan}: format is 'pipeflow.plan/0', expected 'pipeflow.plan/1'\n"
 

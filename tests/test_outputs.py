@@ -3,11 +3,14 @@ and a final --save that fails without losing the weights. Disk-full and read-onl
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from argparse import Namespace
 from pathlib import Path
 
@@ -17,7 +20,7 @@ import torch
 from pipeflow.models import mlp
 from pipeflow.outputs import CheckpointLock, OutputError, check_outputs, write_model
 from pipeflow.spec import ModelSpec
-from tests.conftest import run_mpi
+from tests.conftest import Case, MpiRun, batched
 from tests.reference import reference_flush
 
 # Stage files and the model of this mlp (float64, 64 wide) are well over the 64 KiB of the tiny filesystem.
@@ -131,11 +134,17 @@ def test_save_through_a_symlink_writes_its_target(tmp_path):
 # ------------------------------------------------------------------------------ under mpirun
 
 
-def test_save_in_missing_directory_stops_before_the_model_is_built(tmp_path):
-    built, save = tmp_path / "built", tmp_path / "missing" / "model.pt"
+def missing_dir(d: Path) -> Case:
     args = [*COMMON, "--model", "tests.test_outputs:watched_mlp",
-            "--model-args", json.dumps({**MLP, "built": str(built)}), "--steps", "2", "--save", str(save)]
-    proc = run_mpi(2, args, timeout=120, check=False)
+            "--model-args", json.dumps({**MLP, "built": str(d / "built")}), "--steps", "2",
+            "--save", str(d / "missing" / "model.pt")]
+    return Case(2, args, check=False)
+
+
+@batched(missing_dir)
+def test_save_in_missing_directory_stops_before_the_model_is_built(mpi: MpiRun):
+    built, save = mpi.dir / "built", mpi.dir / "missing" / "model.pt"
+    proc = mpi.proc
     assert proc.returncode == 2, proc.stderr
     assert messages(proc.stderr) == {f"--save {save}: directory {save.parent} does not exist; create it first"}, \
         proc.stderr
@@ -143,31 +152,128 @@ def test_save_in_missing_directory_stops_before_the_model_is_built(tmp_path):
     assert not built.exists(), "the model was built before the output paths were checked"
 
 
-def test_second_training_on_a_checkpoint_dir_exits_2_naming_the_holder(tmp_path):
-    ck = tmp_path / "ck"
+def hold_lock(ck: str, pid_file: str) -> None:
+    """A case's `before`: another process locks `ck` (for at most 120 s) and its pid goes to `pid_file`. It
+    holds none of the batch's output pipes (mpirun would wait for it) and outlives the batch: the test ends it."""
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pipeflow.outputs import CheckpointLock; "
-                               "CheckpointLock(sys.argv[1]); print('locked', flush=True); time.sleep(300)", str(ck)],
-                              stdout=subprocess.PIPE, text=True)
+                               "CheckpointLock(sys.argv[1]); print('locked', flush=True); time.sleep(120)", ck],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              start_new_session=True)
+    assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+    holder.stdout.close()
+    Path(pid_file).write_text(str(holder.pid))
+
+
+def second_training(d: Path) -> Case:
+    ck = d / "ck"
+    return Case(2, [*COMMON, "--steps", "2", "--checkpoint-dir", str(ck)], check=False,
+                before=(f"{__name__}:hold_lock", [str(ck), str(d / "holder.pid")]))
+
+
+@batched(second_training)
+def test_second_training_on_a_checkpoint_dir_exits_2_naming_the_holder(mpi: MpiRun):
+    ck = mpi.dir / "ck"
+    pid = int((mpi.dir / "holder.pid").read_text())
     try:
-        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
-        proc = run_mpi(2, [*COMMON, "--steps", "2", "--checkpoint-dir", str(ck)], timeout=120, check=False)
-    finally:
-        holder.kill()
-        holder.wait()
+        os.kill(pid, signal.SIGKILL)  # the holder hold_lock started for this test
+    except ProcessLookupError:
+        pass
+    proc = mpi.proc
     assert proc.returncode == 2, proc.stderr
     want = re.compile(rf"--checkpoint-dir {ck} is in use by another training \(host {re.escape(socket.gethostname())}"
-                      rf", pid {holder.pid}, since [\d :-]+ UTC; lock file {ck}/pipeflow\.lock\): wait for it to end, "
+                      rf", pid {pid}, since [\d :-]+ UTC; lock file {ck}/pipeflow\.lock\): wait for it to end, "
                       r"or pass another --checkpoint-dir")
     msgs = messages(proc.stderr)
     assert msgs and all(want.search(m) for m in msgs), proc.stderr
     assert "Traceback" not in proc.stderr
     assert not list(ck.glob("step-*")), "the second run wrote checkpoints"
-    CheckpointLock(str(ck)).release()  # the holder's end released it
+    for _ in range(100):  # the holder's end released it
+        try:
+            CheckpointLock(str(ck)).release()
+            break
+        except OutputError:
+            time.sleep(0.05)
+    else:
+        raise AssertionError(f"{ck} still locked after its holder was killed")
 
 
-def test_disk_full_while_checkpointing_is_one_line_and_the_step_stays_unmarked(tiny_fs):
-    proc = run_mpi(2, [*COMMON, "--steps", "4", "--checkpoint-dir", str(tiny_fs), "--checkpoint-every", "2"],
-                   timeout=120, check=False)
+def check_lock_released(ck: str, report: str) -> None:
+    """A case's `before`, in rank 0's process after an earlier case on `ck` returned: does this process
+    still have the lock file open, and can another process lock it?"""
+    open_fds = sum(os.path.realpath(f"/proc/self/fd/{fd}") == os.path.realpath(Path(ck) / "pipeflow.lock")
+                   for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}"))
+    other = subprocess.run([sys.executable, "-c", "import sys; from pipeflow.outputs import CheckpointLock; "
+                            "CheckpointLock(sys.argv[1]).release()", ck], capture_output=True, text=True)
+    Path(report).write_text(json.dumps({"open_fds": open_fds, "other_process": other.returncode,
+                                        "stderr": other.stderr[-2000:]}))
+
+
+def same_dir_twice(d: Path) -> list[Case]:
+    ck = d / "ck"
+    return [Case(2, [*COMMON, "--steps", "2", "--checkpoint-dir", str(ck)]),
+            Case(2, [*COMMON, "--steps", "4", "--checkpoint-dir", str(ck), "--resume", "--save", str(d / "model.pt")],
+                 before=(f"{__name__}:check_lock_released", [str(ck), str(d / "after-first.json")]))]
+
+
+@batched(same_dir_twice)
+def test_consecutive_runs_in_one_process_on_one_checkpoint_dir(mpi: MpiRun):
+    """pipeflow.train.main releases the --checkpoint-dir lock when it returns (tests/mpi_batch.py calls it
+    many times in one process): the lock file is closed, another process can lock the directory, and a
+    second call on the same directory resumes and trains on."""
+    after = json.loads((mpi.dir / "after-first.json").read_text())
+    assert after["open_fds"] == 0, after
+    assert after["other_process"] == 0, after
+    assert [p.returncode for p in mpi.procs] == [0, 0]
+    got = torch.load(mpi.dir / "model.pt", weights_only=True)
+    want = reference_flush("mlp", MLP, steps=4, microbatches=2, microbatch_size=2, optimizer="adam", lr=0.01)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-11)
+    assert (mpi.dir / "ck" / "step-000004" / "COMPLETE").is_file()
+
+
+MOUNTED: list[Path] = []  # the batched runs' tmpfs mounts, unmounted after this module's tests
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _unmount_batched_tmpfs():
+    """However its tests end (an error in the batch, a deselected test), no mount outlives the module."""
+    yield
+    while MOUNTED:
+        subprocess.run(["umount", "-l", str(MOUNTED.pop())], check=False, capture_output=True)
+
+
+def tiny_mount(d: Path) -> Path:
+    """A 64 KiB tmpfs at d/tiny (a disk that fills up), or a plain directory and d/no-tmpfs saying why."""
+    tiny = d / "tiny"
+    tiny.mkdir()
+    why = "no mount command: the disk-full and read-only cases need a tmpfs"
+    if shutil.which("mount") is not None:
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tiny)], capture_output=True,
+                              text=True)
+        if proc.returncode == 0:
+            MOUNTED.append(tiny)
+            return tiny
+        why = f"cannot mount a tmpfs (needs root with CAP_SYS_ADMIN): {proc.stderr.strip()}"
+    (d / "no-tmpfs").write_text(why)
+    return tiny
+
+
+def tiny_of(mpi: MpiRun) -> Path:
+    """The batched run's tmpfs, or skip if there is none."""
+    if (mpi.dir / "no-tmpfs").exists():
+        pytest.skip((mpi.dir / "no-tmpfs").read_text())
+    return mpi.dir / "tiny"
+
+
+def disk_full_checkpoint(d: Path) -> Case:
+    tiny = tiny_mount(d)
+    return Case(2, [*COMMON, "--steps", "4", "--checkpoint-dir", str(tiny), "--checkpoint-every", "2"], check=False)
+
+
+@batched(disk_full_checkpoint)
+def test_disk_full_while_checkpointing_is_one_line_and_the_step_stays_unmarked(mpi: MpiRun):
+    tiny_fs = tiny_of(mpi)
+    proc = mpi.proc
     assert proc.returncode == 2, proc.stderr
     msgs = messages(proc.stderr)
     assert len(msgs) == 1, proc.stderr
@@ -178,10 +284,17 @@ def test_disk_full_while_checkpointing_is_one_line_and_the_step_stays_unmarked(t
     assert not (tiny_fs / "step-000004").exists()
 
 
-def test_failed_final_save_keeps_the_weights_next_to_the_checkpoints(tiny_fs, tmp_path):
-    ck, save = tmp_path / "ck", tiny_fs / "model.pt"
-    proc = run_mpi(2, [*COMMON, "--steps", "3", "--checkpoint-dir", str(ck), "--save", str(save)], timeout=120,
-                   check=False)
+def failed_final_save(d: Path) -> Case:
+    tiny = tiny_mount(d)
+    return Case(2, [*COMMON, "--steps", "3", "--checkpoint-dir", str(d / "ck"), "--save", str(tiny / "model.pt")],
+                check=False)
+
+
+@batched(failed_final_save)
+def test_failed_final_save_keeps_the_weights_next_to_the_checkpoints(mpi: MpiRun):
+    tiny_fs = tiny_of(mpi)
+    ck, save = mpi.dir / "ck", tiny_fs / "model.pt"
+    proc = mpi.proc
     assert proc.returncode == 2, proc.stderr
     msgs = messages(proc.stderr)
     assert len(msgs) == 1, proc.stderr

@@ -54,11 +54,13 @@ def test_end_to_end_with_timeline(tmp_path: Path, profile_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bad_input_subprocess(tmp_path: Path, profile_path: Path) -> None:
-    r = run_cli(str(profile_path), "--workers", "5", "--topology", "2x300GB/s,2x25GB/s", "-o",
-                str(tmp_path / "plan.json"))
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines() == [
+def test_bad_input_subprocess(tmp_path: Path, profile_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """pipeflow-plan's main in this process (the console script end to end: test_end_to_end_with_timeline)."""
+    code = main([str(profile_path), "--workers", "5", "--topology", "2x300GB/s,2x25GB/s", "-o",
+                 str(tmp_path / "plan.json")])
+    err = capfd.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines() == [
         "pipeflow-plan: error: --workers 5 does not match --topology '2x300GB/s,2x25GB/s', which has 2x2 = 4 workers"]
     assert not (tmp_path / "plan.json").exists()
 

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -63,11 +61,11 @@ def test_huge_profile_time_is_refused_not_misreported(tmp_path: Path, capsys: py
                    "found 1e+308")
 
 
-def test_largest_allowed_size_answers_quickly(tmp_path: Path, profile_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "partitioner.cli", str(profile_path), "--workers", str(MAX_WORKERS),
-                        "--microbatches", "8", "-o", str(tmp_path / "plan.json")], capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0, r.stderr
+def test_largest_allowed_size_answers_quickly(tmp_path: Path, profile_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    code = main([str(profile_path), "--workers", str(MAX_WORKERS), "--microbatches", "8", "-o",
+                 str(tmp_path / "plan.json")])
+    assert code == 0, capsys.readouterr().err
     assert Plan.load(tmp_path / "plan.json").workers == MAX_WORKERS
 
 

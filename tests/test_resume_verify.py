@@ -13,7 +13,7 @@ import torch
 
 from pipeflow.checkpoint import MARKER, CheckpointError
 from pipeflow.resume import choose
-from tests.conftest import run_mpi
+from tests.conftest import Case, MpiRun, batched
 from tests.reference import reference_flush
 
 MLP = {"layers": 4, "hidden": 16, "d_in": 8, "samples": 256}
@@ -22,20 +22,34 @@ COMMON = ["--model", "mlp", "--model-args", json.dumps(MLP), "--layers-per-stage
           "--timeout", "60", "--checkpoint-every", "2", "--log-every", "1"]
 
 
-@pytest.fixture(scope="module")
-def first_run(tmp_path_factory) -> Path:
-    """4 steps with checkpoints at 2 and 4, a trace and TensorBoard scalars."""
-    d = tmp_path_factory.mktemp("first")
-    run_mpi(2, [*COMMON, "--steps", "4", "--checkpoint-dir", str(d / "ck"), "--trace", str(d / "trace.json"),
-                "--tensorboard", str(d / "tb")], timeout=120)
-    return d
+def copy_run(first: str, to: str, damaged: str | None = None) -> None:
+    """A copy of the first run to resume (a case's `before`), with `damaged` (a stage file) bit-flipped."""
+    shutil.copytree(first, to)
+    if damaged:
+        damage(Path(to) / damaged, "bitflip")
+
+
+def runs(d: Path) -> list[Case]:
+    """The module's one batched run: 4 steps with checkpoints at 2 and 4, a trace and TensorBoard scalars
+    (first/); resumed past a bit flip in a copy (flipped/); resumed with --steps 4 in another (again/)."""
+    first, flipped, again = d / "first", d / "flipped", d / "again"
+    first.mkdir()
+    return [Case(2, [*COMMON, "--steps", "4", "--checkpoint-dir", str(first / "ck"), "--trace",
+                     str(first / "trace.json"), "--tensorboard", str(first / "tb")]),
+            Case(2, [*COMMON, "--steps", "6", "--checkpoint-dir", str(flipped / "ck"), "--resume", "--trace",
+                     str(flipped / "trace.json"), "--tensorboard", str(flipped / "tb"), "--save",
+                     str(flipped / "resumed.pt")],
+                 before=(f"{__name__}:copy_run", [str(first), str(flipped), "ck/step-000004/stage-000.pt"])),
+            Case(2, [*COMMON, "--steps", "4", "--checkpoint-dir", str(again / "ck"), "--resume",
+                     "--save", str(again / "model.pt")],
+                 before=(f"{__name__}:copy_run", [str(first), str(again)]))]
 
 
 @pytest.fixture
-def run_dir(first_run, tmp_path) -> Path:
-    """A copy of the first run to damage and resume."""
+def run_dir(mpi: MpiRun, tmp_path) -> Path:
+    """A copy of the first run to damage and resume (the tests that use it are @batched(runs))."""
     d = tmp_path / "run"
-    shutil.copytree(first_run, d)
+    shutil.copytree(mpi.dir / "first", d)
     return d
 
 
@@ -68,6 +82,7 @@ def damage(path: Path, how: str) -> str:
 
 
 @pytest.mark.parametrize("how", ["truncated", "missing", "bitflip"])
+@batched(runs)
 def test_corrupt_newest_checkpoint_falls_back_naming_the_file(run_dir, how, caplog):
     from mpi4py import MPI
 
@@ -81,6 +96,7 @@ def test_corrupt_newest_checkpoint_falls_back_naming_the_file(run_dir, how, capl
         f"--resume: {bad} {what}; resuming from {ck / 'step-000002'} instead, the newest checkpoint that verifies"]
 
 
+@batched(runs)
 def test_named_corrupt_step_and_nothing_that_verifies_are_errors(run_dir):
     from mpi4py import MPI
 
@@ -96,6 +112,7 @@ def test_named_corrupt_step_and_nothing_that_verifies_are_errors(run_dir):
         choose(MPI.COMM_SELF, "latest", str(ck))
 
 
+@batched(runs)
 def test_marker_without_checksums_still_resumes(run_dir):
     """Checkpoints written before the marker held sizes and checksums."""
     from mpi4py import MPI
@@ -121,15 +138,14 @@ def _scalars(logdir: Path, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
-def test_resume_past_a_bit_flip_is_exact_and_appends_trace_and_tensorboard(run_dir):
-    first_loss = _scalars(run_dir / "tb", "loss/train")
+@batched(runs)
+def test_resume_past_a_bit_flip_is_exact_and_appends_trace_and_tensorboard(mpi: MpiRun):
+    first_loss = _scalars(mpi.dir / "first" / "tb", "loss/train")
     assert [s for s, _ in first_loss] == [1, 2, 3, 4]
+    run_dir = mpi.dir / "flipped"
     bad = run_dir / "ck" / "step-000004" / "stage-000.pt"
-    damage(bad, "bitflip")
     out = run_dir / "resumed.pt"
-    proc = run_mpi(2, [*COMMON, "--steps", "6", "--checkpoint-dir", str(run_dir / "ck"), "--resume", "--trace",
-                       str(run_dir / "trace.json"), "--tensorboard", str(run_dir / "tb"), "--save", str(out)],
-                   timeout=120)
+    proc = mpi.procs[1]
     assert (f"--resume: {bad} is corrupt (its sha256 differs from the one in COMPLETE); resuming from "
             f"{run_dir / 'ck' / 'step-000002'} instead, the newest checkpoint that verifies") in proc.stderr
     got = torch.load(out, weights_only=True)
@@ -147,10 +163,11 @@ def test_resume_past_a_bit_flip_is_exact_and_appends_trace_and_tensorboard(run_d
     assert loss[:2] == first_loss[:2]
 
 
-def test_resume_with_steps_not_beyond_the_checkpoint_says_so(run_dir):
+@batched(runs)
+def test_resume_with_steps_not_beyond_the_checkpoint_says_so(mpi: MpiRun):
+    run_dir = mpi.dir / "again"
     out = run_dir / "model.pt"
-    proc = run_mpi(2, [*COMMON, "--steps", "4", "--checkpoint-dir", str(run_dir / "ck"), "--resume",
-                       "--save", str(out)], timeout=120)
+    proc = mpi.procs[2]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("pipeflow-train:")]
     assert lines == [f"pipeflow-train: nothing to train: the checkpoint {run_dir / 'ck' / 'step-000004'} is at step 4 "
                      f"and --steps is 4; pass --steps above 4 to train on (--save {out} not written)"], proc.stderr

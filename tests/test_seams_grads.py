@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +18,7 @@ from pipeflow.engine import WeightPolicy
 from pipeflow.reduce import find_ties
 from pipeflow.spec import build_model
 from pipeflow.stage import Stage
-from tests.conftest import run_mpi, write_plan
+from tests.conftest import Case, MpiRun, batched, write_plan
 from tests.reference import reference_delayed, reference_flush
 
 SMALL = {"d_in": 6, "hidden": 8, "classes": 3, "samples": 64}
@@ -45,15 +46,18 @@ def reference(model: str, model_args: dict, *, steps: int, microbatches: int, op
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
-def train(tmp_path, model: str, model_args: dict, stages: list[tuple[int, int]], *, schedule: str, m: int,
-          steps: int, extra: list[str], name: str = "model.pt") -> dict[str, torch.Tensor]:
-    plan = tmp_path / f"plan-{name}.json"
+def train(d: Path, model: str, model_args: dict, stages: list[tuple[int, int]], *, schedule: str, m: int,
+          steps: int, extra: list[str], name: str = "model.pt") -> Case:
+    """The case that trains `model` on a plan of `stages` and saves it to d/name."""
+    plan = d / f"plan-{name}.json"
     np_ = write_plan(plan, schedule, m, stages)
-    out = tmp_path / name
-    run_mpi(np_, ["--model", model, "--model-args", json.dumps(model_args), "--plan", str(plan), "--steps",
-                  str(steps), "--microbatch-size", str(B), "--dtype", "float64", "--device", "cpu", "--save", str(out),
-                  *extra])
-    return torch.load(out, weights_only=True)
+    return Case(np_, ["--model", model, "--model-args", json.dumps(model_args), "--plan", str(plan), "--steps",
+                      str(steps), "--microbatch-size", str(B), "--dtype", "float64", "--device", "cpu", "--save",
+                      str(d / name), *extra])
+
+
+def saved(mpi: MpiRun, name: str = "model.pt") -> dict[str, torch.Tensor]:
+    return torch.load(mpi.dir / name, weights_only=True)
 
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -65,15 +69,20 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
 # ------------------------------------------------------------------ item 2: replicas and missing gradients
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_parameter_without_gradient_is_left_alone_by_replicas(tmp_path, optimizer):
-    """`1.spare` is in a replicated stage but in no forward: momentum, weight decay and AdamW must not move
-    it (a zero-filled gradient did: 0.0096 after 3 steps), every other parameter trains as in one process."""
+def unused_param(d: Path, optimizer: str) -> Case:
     lr = 0.05 if optimizer == "sgd" else 0.01
     flags = ["--optimizer", optimizer, "--lr", str(lr), "--weight-decay", "0.1"]
     flags += ["--momentum", "0.9"] if optimizer == "sgd" else []
-    got = train(tmp_path, "tests.models_grads:unused", SMALL, [(1, 1), (2, 2)], schedule="1f1b", m=4, steps=3,
-                extra=flags)
+    return train(d, "tests.models_grads:unused", SMALL, [(1, 1), (2, 2)], schedule="1f1b", m=4, steps=3, extra=flags)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@batched(unused_param)
+def test_parameter_without_gradient_is_left_alone_by_replicas(mpi: MpiRun, optimizer):
+    """`1.spare` is in a replicated stage but in no forward: momentum, weight decay and AdamW must not move
+    it (a zero-filled gradient did: 0.0096 after 3 steps), every other parameter trains as in one process."""
+    lr = 0.05 if optimizer == "sgd" else 0.01
+    got = saved(mpi)
     want = reference("tests.models_grads:unused", SMALL, steps=3, microbatches=4, optimizer=optimizer, lr=lr,
                      momentum=0.9 if optimizer == "sgd" else 0.0, weight_decay=0.1)
     initial = reference("tests.models_grads:unused", SMALL, steps=0, microbatches=4, optimizer=optimizer, lr=lr)
@@ -83,11 +92,16 @@ def test_parameter_without_gradient_is_left_alone_by_replicas(tmp_path, optimize
     assert not torch.equal(got["1.fc.weight"], initial["1.fc.weight"])
 
 
-def test_parameter_accumulated_twice_in_the_last_backward_waits_for_both(tmp_path):
+def accumulated_twice(d: Path) -> Case:
+    return train(d, "tests.models_grads:twice", SMALL, [(1, 1), (2, 2)], schedule="1f1b", m=4, steps=3,
+                 extra=["--optimizer", "sgd", "--lr", "0.05"])
+
+
+@batched(accumulated_twice)
+def test_parameter_accumulated_twice_in_the_last_backward_waits_for_both(mpi: MpiRun):
     """A Linear applied twice under reentrant checkpointing on a replicated stage: its .grad is written
     twice in the last backward of the step, and the replicas must reduce the sum of both."""
-    got = train(tmp_path, "tests.models_grads:twice", SMALL, [(1, 1), (2, 2)], schedule="1f1b", m=4, steps=3,
-                extra=["--optimizer", "sgd", "--lr", "0.05"])
+    got = saved(mpi)
     assert_same(got, reference("tests.models_grads:twice", SMALL, steps=3, microbatches=4, optimizer="sgd", lr=0.05))
 
 
@@ -104,24 +118,38 @@ def test_tied_gpt_parameters_are_found_across_stages():
     assert find_ties(untied.layers, [(0, 2), (2, 4)], [[0], [1]]) == []
 
 
-@pytest.mark.parametrize("schedule,stages", [("gpipe", [(2, 1), (2, 1)]), ("1f1b", [(2, 1), (2, 1)]),
-                                             ("1f1b", [(1, 2), (2, 1), (1, 1)])],
-                         ids=["gpipe-np2", "1f1b-np2", "1f1b-replicated-np4"])
-def test_tied_weights_train_as_one_parameter(tmp_path, schedule, stages):
+TIED_SPLITS = {"gpipe-np2": ("gpipe", [(2, 1), (2, 1)]), "1f1b-np2": ("1f1b", [(2, 1), (2, 1)]),
+               "1f1b-replicated-np4": ("1f1b", [(1, 2), (2, 1), (1, 1)])}
+
+
+def tied(d: Path, split: str) -> Case:
+    schedule, stages = TIED_SPLITS[split]
+    return train(d, "gpt", GPT, stages, schedule=schedule, m=4, steps=3,
+                 extra=["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"])
+
+
+@pytest.mark.parametrize("split", list(TIED_SPLITS))
+@batched(tied)
+def test_tied_weights_train_as_one_parameter(mpi: MpiRun, split):
     """gpt with the head tied to the token embedding, split so that they land on different stages (and
     replicas): equal to single-process training; --save writes the one parameter under both keys."""
-    got = train(tmp_path, "gpt", GPT, stages, schedule=schedule, m=4, steps=3,
-                extra=["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"])
+    got = saved(mpi)
     want = reference_flush("gpt", GPT, steps=3, microbatches=4, microbatch_size=B, optimizer="sgd", lr=0.05,
                            momentum=0.9)
     assert_same(got, want)
     assert torch.equal(got["0.tok.weight"], got["3.lm.weight"])
 
 
+def tied_async(d: Path, schedule: str) -> Case:
+    return Case(2, ["--model", "gpt", "--model-args", json.dumps(GPT), "--schedule", schedule, "--layers-per-stage",
+                    "even", "--microbatches", "2", "--steps", "1", "--device", "cpu"], check=False)
+
+
 @pytest.mark.parametrize("schedule", ["async", "2bw"])
-def test_tied_weights_across_stages_are_refused_by_asynchronous_schedules(schedule):
-    proc = run_mpi(2, ["--model", "gpt", "--model-args", json.dumps(GPT), "--schedule", schedule, "--layers-per-stage",
-                       "even", "--microbatches", "2", "--steps", "1", "--device", "cpu"], check=False)
+@batched(tied_async)
+def test_tied_weights_across_stages_are_refused_by_asynchronous_schedules(mpi: MpiRun, schedule):
+    """A set-up error (exit 2, no MPI Abort): batched with check=False."""
+    proc = mpi.proc
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("pipeflow-train:")]
     # Every rank finds the same error: rank 0 prints it once.
@@ -173,15 +201,19 @@ def test_tied_optimizer_state_is_saved_under_every_key(tmp_path):
     torch.testing.assert_close(state["exp_avg"], whole.optimizer.state[tied]["exp_avg"], rtol=0, atol=0)
 
 
-def test_tied_weights_resume_under_another_split(tmp_path):
-    """Checkpoint after 2 steps on one process, resume on two stages: 4 steps equal single-process training."""
-    ck = tmp_path / "ck"
+def tied_resume(d: Path) -> list[Case]:
+    ck = d / "ck"
     common = ["--model", "gpt", "--model-args", json.dumps(GPT), "--microbatches", "4", "--microbatch-size", str(B),
               "--optimizer", "adam", "--lr", "0.01", "--dtype", "float64", "--device", "cpu", "--schedule", "1f1b",
               "--checkpoint-dir", str(ck), "--layers-per-stage", "even"]
-    run_mpi(1, [*common, "--steps", "2"])
-    run_mpi(2, [*common, "--steps", "4", "--resume", "--save", str(tmp_path / "model.pt")])
-    got = torch.load(tmp_path / "model.pt", weights_only=True)
+    return [Case(1, [*common, "--steps", "2"]),
+            Case(2, [*common, "--steps", "4", "--resume", "--save", str(d / "model.pt")])]
+
+
+@batched(tied_resume)
+def test_tied_weights_resume_under_another_split(mpi: MpiRun):
+    """Checkpoint after 2 steps on one process, resume on two stages: 4 steps equal single-process training."""
+    got = saved(mpi)
     assert_same(got, reference_flush("gpt", GPT, steps=4, microbatches=4, microbatch_size=B, optimizer="adam",
                                      lr=0.01))
 
@@ -198,16 +230,23 @@ def _send_peaks(stderr: str) -> dict[int, tuple[int, int, int]]:
     return out
 
 
-def test_sends_held_do_not_grow_with_microbatches(tmp_path):
+def sends_held(d: Path) -> list[Case]:
+    cases = []
+    for m in (16, 32):
+        plan = d / f"plan-m{m}.json"
+        write_plan(plan, "1f1b", m, [(3, 1), (3, 1)])
+        cases.append(Case(2, ["--model", "mlp", "--model-args", json.dumps(MLP), "--plan", str(plan), "--steps", "2",
+                              "--microbatch-size", str(B), "--optimizer", "sgd", "--lr", "0.05", "--dtype", "float64",
+                              "--device", "cpu"], env={"PIPEFLOW_LOG": "INFO"}))
+    return cases
+
+
+@batched(sends_held)
+def test_sends_held_do_not_grow_with_microbatches(mpi: MpiRun):
     """1f1b on 2 stages: the sends a rank holds (Works and their buffers) are bounded by what the schedule
     keeps in flight, the same for m=16 and m=32 (before: every send of the step, 2m tensors, until STEP)."""
-    plan = tmp_path / "plan.json"
     peaks = {}
-    for m in (16, 32):
-        write_plan(plan, "1f1b", m, [(3, 1), (3, 1)])
-        proc = run_mpi(2, ["--model", "mlp", "--model-args", json.dumps(MLP), "--plan", str(plan), "--steps", "2",
-                           "--microbatch-size", str(B), "--optimizer", "sgd", "--lr", "0.05", "--dtype", "float64",
-                           "--device", "cpu"], env={"PIPEFLOW_LOG": "INFO"})
+    for m, proc in zip((16, 32), mpi.procs):
         peaks[m] = _send_peaks(proc.stderr)
         assert sorted(peaks[m]) == [0, 1], proc.stderr
     # One send is (h, r): 2 tensors of B x hidden float64, the activations forward or their gradients back.
@@ -222,11 +261,16 @@ def test_sends_held_do_not_grow_with_microbatches(tmp_path):
 # ------------------------------------------------------------------ item 7: async replicas average
 
 
-def test_async_data_parallel_replicas_average_their_gradients(tmp_path):
+def async_replicas(d: Path) -> Case:
+    return train(d, "mlp", MLP, [(6, 2)], schedule="async", m=2, steps=3,
+                 extra=["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"])
+
+
+@batched(async_replicas)
+def test_async_data_parallel_replicas_average_their_gradients(mpi: MpiRun):
     """async on one stage of 2 replicas, m=2: each update takes microbatches 2u and 2u+1 on the weights of
     update u, so with the *mean* of the two gradients it is minibatch SGD with m=2 (a sum steps with 2 lr)."""
-    got = train(tmp_path, "mlp", MLP, [(6, 2)], schedule="async", m=2, steps=3,
-                extra=["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"])
+    got = saved(mpi)
     want = reference_flush("mlp", MLP, steps=3, microbatches=2, microbatch_size=B, optimizer="sgd", lr=0.05,
                            momentum=0.9)
     assert_same(got, want)

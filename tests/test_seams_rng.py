@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -17,7 +16,7 @@ from partitioner.profiler import profile_model
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.spec import build_model
 from pipeflow.stage import Stage
-from tests.conftest import BIN, mpi_env, run_mpi, write_plan
+from tests.conftest import Case, MpiRun, batched, write_plan
 from tests.reference import reference_flush, seed_of
 
 DROP = "tests.models:dropout_mlp"
@@ -134,30 +133,44 @@ LAYER = (r"one layer needs about \d+\.\d GiB for its input, output and saved act
     ("mlp", {}, 10**12, HOST),
     ("gpt", {"seq_len": 8, "d_model": 512}, 10**7, LAYER),  # 1.3 GB of tokens, terabytes of activations
 ])
-def test_profile_refuses_a_microbatch_that_cannot_fit(tmp_path: Path, model: str, args: dict[str, int], size: int,
-                                                     text: str) -> None:
-    """At once (before collating it), one line, exit 2."""
+def test_profile_refuses_a_microbatch_that_cannot_fit(tmp_path: Path, capfd: pytest.CaptureFixture[str], model: str,
+                                                     args: dict[str, int], size: int, text: str) -> None:
+    """At once (before collating it), one line, exit 2 (pipeflow-profile's main in this process; the console
+    script itself is test_partitioner_profile.py's test_profile_cli)."""
+    from partitioner.profiler import main
+
     out = tmp_path / "profile.json"
-    proc = subprocess.run([str(BIN / "pipeflow-profile"), "--model", model, "--model-args", json.dumps(args),
-                           "--microbatch-size", str(size), "-o", str(out)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.splitlines()
-    assert len(lines) == 1, proc.stderr
+    code = main(["--model", model, "--model-args", json.dumps(args), "--microbatch-size", str(size), "-o", str(out)])
+    err = capfd.readouterr().err
+    assert code == 2, err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
     assert re.fullmatch(rf"pipeflow-profile: error: --microbatch-size {size} cannot work: {text}; use a smaller "
                         r"--microbatch-size", lines[0]), lines[0]
     assert not out.exists()
 
 
-def test_dropout_benchmark_prints_its_line_on_cpu() -> None:
+def test_dropout_benchmark_prints_its_line_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """The benchmark script's main in this process (it would start python and torch again)."""
+    import importlib.util
+
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "bench_dropout_rng.py"
-    proc = subprocess.run([sys.executable, str(bench), "--iters", "2", "--rounds", "1"], capture_output=True,
-                          text=True, timeout=120, env={**mpi_env(), "PYTHONPATH": str(bench.parents[2])})
-    assert proc.returncode == 0, proc.stderr
+    spec = importlib.util.spec_from_file_location("bench_dropout_rng", bench)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rng, dtype = torch.get_rng_state(), torch.get_default_dtype()
+    try:
+        assert module.main(["--iters", "2", "--rounds", "1"]) == 0
+    finally:
+        torch.set_rng_state(rng)
+        torch.set_default_dtype(dtype)
+    proc = capsys.readouterr()
     ms = r"(\d+\.\d{3})"
     m = re.fullmatch(rf"bench_dropout_rng: cpu, gpt 2x64 seq 32 microbatch 4 float32, dropout 0.1: seeded {ms} "
                      rf"ms/microbatch, plain {ms} ms/microbatch, ratio (\d+\.\d{{3}}) \(no dropout {ms} ms; 4 seeded "
-                     r"layers per microbatch\)\n", proc.stdout)
-    assert m, proc.stdout
+                     r"layers per microbatch\)\n", proc.out)
+    assert m, proc.out
     seeded, plain, ratio = float(m.group(1)), float(m.group(2)), float(m.group(3))
     assert seeded > 0 and plain > 0 and ratio == pytest.approx(seeded / plain, abs=2e-3)
 
@@ -165,51 +178,64 @@ def test_dropout_benchmark_prints_its_line_on_cpu() -> None:
 # ---------------------------------------------------------------------------------------------- mpirun
 
 
-def test_dropout_trains_the_same_whatever_the_plan(tmp_path: Path) -> None:
+def _drop_run(d: Path, name: str, np_: int, extra: list[str]) -> Case:
+    return Case(np_, ["--model", DROP, "--model-args", json.dumps(DROP_ARGS), *COMMON, "--dtype", "float64", *extra,
+                      "--save", str(d / f"{name}.pt")])
+
+
+def dropout_plans(d: Path) -> list[Case]:
+    plan = d / "plan.json"
+    write_plan(plan, "1f1b", M, [(2, 2), (2, 1)])
+    # -np 1, 2, 3: the order the cases of other tests need (test_checkpoint's resume goes from -np 2 to 3).
+    return [_drop_run(d, "np1", 1, ["--layers-per-stage", "even", "--schedule", "1f1b"]),
+            _drop_run(d, "straight", 2, ["--layers-per-stage", "even", "--schedule", "gpipe"]),
+            _drop_run(d, "replicated", 3, ["--plan", str(plan)])]
+
+
+@batched(dropout_plans)
+def test_dropout_trains_the_same_whatever_the_plan(mpi: MpiRun) -> None:
     """-np 1, a replicated stage (2+1 ranks) and a straight 2-stage pipeline: the reference's weights."""
     want = reference_flush(DROP, DROP_ARGS, steps=STEPS, microbatches=M, microbatch_size=B, optimizer="sgd",
                            lr=0.1, momentum=0.9, seed=SEED)
-    plan = tmp_path / "plan.json"
-    write_plan(plan, "1f1b", M, [(2, 2), (2, 1)])
-    runs = {"np1": (1, ["--layers-per-stage", "even", "--schedule", "1f1b"]),
-            "replicated": (3, ["--plan", str(plan)]),
-            "straight": (2, ["--layers-per-stage", "even", "--schedule", "gpipe"])}
     initial = reference_flush(DROP, DROP_ARGS, steps=0, microbatches=M, microbatch_size=B, seed=SEED)
     assert any(not torch.equal(want[k], initial[k]) for k in want)
-    for name, (np_, extra) in runs.items():
-        out = tmp_path / f"{name}.pt"
-        proc = run_mpi(np_, ["--model", DROP, "--model-args", json.dumps(DROP_ARGS), *COMMON, "--dtype", "float64",
-                             *extra, "--save", str(out)])
+    for name, proc in zip(["np1", "straight", "replicated"], mpi.procs, strict=True):
         check_probes(proc.stderr, microbatches=STEPS * M, layers=DROP_ARGS["layers"])
-        assert_same(torch.load(out, weights_only=True), want)
+        assert_same(torch.load(mpi.dir / f"{name}.pt", weights_only=True), want)
 
 
-def test_asynchronous_schedules_draw_per_microbatch_and_layer(tmp_path: Path) -> None:
+def async_dropout(d: Path) -> list[Case]:
+    plan = d / "plan.json"
+    write_plan(plan, "2bw", M, [(2, 2), (2, 1)])
+    return [_drop_run(d, "np1", 1, ["--layers-per-stage", "even", "--schedule", "2bw"]),
+            _drop_run(d, "replicated", 3, ["--plan", str(plan)]),
+            _drop_run(d, "async", 3, ["--plan", str(plan), "--schedule", "async"])]
+
+
+@batched(async_dropout)
+def test_asynchronous_schedules_draw_per_microbatch_and_layer(mpi: MpiRun) -> None:
     """2bw's weights do not depend on the plan (-np 1 and a replicated stage agree); async (weight stashing)
     draws per (seed, t, i) on every replica."""
-    plan = tmp_path / "plan.json"
-    write_plan(plan, "2bw", M, [(2, 2), (2, 1)])
     saved = []
-    runs = {"np1": (1, ["--layers-per-stage", "even", "--schedule", "2bw"]),
-            "replicated": (3, ["--plan", str(plan)]),
-            "async": (3, ["--plan", str(plan), "--schedule", "async"])}
-    for name, (np_, extra) in runs.items():
-        out = tmp_path / f"{name}.pt"
-        proc = run_mpi(np_, ["--model", DROP, "--model-args", json.dumps(DROP_ARGS), *COMMON, "--dtype", "float64",
-                             *extra, "--save", str(out)])
+    for name, proc in zip(["np1", "replicated", "async"], mpi.procs):
         check_probes(proc.stderr, microbatches=STEPS * M, layers=DROP_ARGS["layers"])
-        saved.append(torch.load(out, weights_only=True))
+        saved.append(torch.load(mpi.dir / f"{name}.pt", weights_only=True))
     assert_same(saved[1], saved[0])
 
 
-def test_on_the_spot_plan_leaves_batchnorm_alone_and_frees_other_stages(tmp_path: Path) -> None:
+def batchnorm_on_the_spot(d: Path) -> Case:
+    args = {"layers": 4, "p": 0.0, "report_alive": True}
+    return Case(2, ["--model", NORM, "--model-args", json.dumps(args), *COMMON, "--dtype", "float64", "--straight",
+                    "--save", str(d / "model.pt")], env={"PIPEFLOW_LOG": "INFO"})
+
+
+@batched(batchnorm_on_the_spot)
+def test_on_the_spot_plan_leaves_batchnorm_alone_and_frees_other_stages(mpi: MpiRun) -> None:
     """No --plan: rank 0 profiles a BatchNorm model in a sandbox, so the run equals the reference, buffers
     included; after set-up each rank holds only its own stage's layers."""
     args = {"layers": 4, "p": 0.0}
-    out = tmp_path / "model.pt"
-    proc = run_mpi(2, ["--model", NORM, "--model-args", json.dumps({**args, "report_alive": True}), *COMMON,
-                       "--dtype", "float64", "--straight", "--save", str(out)], env={"PIPEFLOW_LOG": "INFO"})
-    got = torch.load(out, weights_only=True)
+    proc = mpi.proc
+    got = torch.load(mpi.dir / "model.pt", weights_only=True)
     want = reference_flush(NORM, args, steps=STEPS, microbatches=M, microbatch_size=B, optimizer="sgd", lr=0.1,
                            momentum=0.9, seed=SEED)
     assert any("running_mean" in k for k in want)
@@ -224,14 +250,19 @@ def test_on_the_spot_plan_leaves_batchnorm_alone_and_frees_other_stages(tmp_path
         assert last[1] == list(range(cut, 4))
 
 
-def test_float64_model_trains_in_float64_without_dtype(tmp_path: Path) -> None:
-    args = {"layers": 4, "p": 0.0, "dtype": "float64"}
-    out = tmp_path / "model.pt"
-    run_mpi(2, ["--model", DROP, "--model-args", json.dumps(args), *COMMON, "--layers-per-stage", "even",
-                "--save", str(out)])
-    got = torch.load(out, weights_only=True)
+F64_ARGS = {"layers": 4, "p": 0.0, "dtype": "float64"}
+
+
+def float64_model(d: Path) -> Case:
+    return Case(2, ["--model", DROP, "--model-args", json.dumps(F64_ARGS), *COMMON, "--layers-per-stage", "even",
+                    "--save", str(d / "model.pt")])
+
+
+@batched(float64_model)
+def test_float64_model_trains_in_float64_without_dtype(mpi: MpiRun) -> None:
+    got = torch.load(mpi.dir / "model.pt", weights_only=True)
     assert all(v.dtype == torch.float64 for v in got.values())
-    assert_same(got, reference_flush(DROP, args, steps=STEPS, microbatches=M, microbatch_size=B, optimizer="sgd",
+    assert_same(got, reference_flush(DROP, F64_ARGS, steps=STEPS, microbatches=M, microbatch_size=B, optimizer="sgd",
                                      lr=0.1, momentum=0.9, seed=SEED))
 
 
