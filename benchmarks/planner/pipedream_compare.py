@@ -23,18 +23,19 @@ from partitioner.plan import Plan, StagePlan
 from partitioner.profile import Profile
 from partitioner.service import Planned, evaluate_plan, plan_detailed
 
-# (model, graph.txt, runtime config dir, workers, topology, samples per profiled minibatch)
+# (model, graph.txt, runtime config dir, workers, topology, samples per profiled minibatch: the Input node's
+# bytes / (3*224*224*4) for the image models; not recoverable for GNMT, recorded as 1)
 # Topologies from the PipeDream paper (SOSP'19, section 5.1): Cluster-A, 4 V100 per server on PCIe, 10 Gbps
 # Ethernet between servers. The paper gives no PCIe figure: 10 GB/s (PCIe 3.0 x16, one direction) is assumed.
 CASES = [
     ("VGG-16", "profiler/image_classification/profiles/vgg16/graph.txt",
-     "runtime/image_classification/models/vgg16/gpus=16", 16, "4x10GB/s,4x1.25GB/s", 64),
+     "runtime/image_classification/models/vgg16/gpus=16", 16, "4x10GB/s,4x1.25GB/s", 128),
     ("AlexNet", "profiler/image_classification/profiles/alexnet/graph.txt",
      "runtime/image_classification/models/alexnet/gpus=4", 4, "4x10GB/s", 256),
     ("GNMT-8", "profiler/translation/profiles/gnmt/graph.txt",
-     "runtime/translation/models/gnmt/gpus=12", 12, "4x10GB/s,3x1.25GB/s", 64),
+     "runtime/translation/models/gnmt/gpus=12", 12, "4x10GB/s,3x1.25GB/s", 1),
     ("GNMT-16", "profiler/translation/profiles/gnmt_large/graph.txt",
-     "runtime/translation/models/gnmt_large/gpus=16", 16, "4x10GB/s,4x1.25GB/s", 64),
+     "runtime/translation/models/gnmt_large/gpus=16", 16, "4x10GB/s,4x1.25GB/s", 1),
 ]
 FLAT = "1GB/s"  # optimizer_graph_hierarchical.py --network_bandwidths default (1e9 bytes/s)
 MODULE = re.compile(r"self\.layer\d+ = (?:torch\.nn\.)?([A-Za-z_][A-Za-z_0-9]*)\(")
@@ -83,8 +84,7 @@ def row(name: str, planned: Planned, profile: Profile) -> str:
     search = p.extra.get("planner", {}).get("search")
     found = "evaluated" if search is None else (f"bound {search['bound_ms']:.0f} ms, "
                                                  f"{search['plans_simulated']} simulated")
-    return (f"| {name} | {describe(p)} | {bounds} | {p.microbatches} | {per_mb:.2f} | "
-            f"{p.predicted['samples_per_s']:.0f} | {found} |")
+    return (f"| {name} | {describe(p)} | {bounds} | {p.microbatches} | {per_mb:.2f} | {found} |")
 
 
 def main() -> None:
@@ -94,8 +94,8 @@ def main() -> None:
     ap.add_argument("--save", default=None, help="folder to write each converted profile.json into")
     args = ap.parse_args()
     root = Path(args.pipedream)
-    print("| model / plan | replicas per stage | cuts after layer | m | ms per minibatch | samples/s | search |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model / plan | replicas per stage | cuts after layer | m | ms per minibatch | search |")
+    print("|---|---|---|---|---|---|")
     for name, graph, conf, workers, topo, mb in CASES:
         g = root / graph
         profile = convert(g.read_text(), model=name, microbatch_size=mb, source=graph)
@@ -107,7 +107,7 @@ def main() -> None:
         pd = pipedream_plan(profile, root / conf, workers, args.schedule)
         theirs = evaluate_plan(profile, pd, topology=topo)
         at_m = plan_detailed(profile, workers, schedule=args.schedule, microbatches=pd.microbatches, topology=topo)
-        print(f"| **{name}**, {workers} workers, {topo}, {len(profile.layers)} layers | | | | | | |")
+        print(f"| **{name}**, {workers} workers, {topo}, {len(profile.layers)} layers | | | | | |")
         print(row("pipeflow, m auto", ours, profile))
         print(row("pipeflow, PipeDream's m", at_m, profile))
         print(row("PipeDream's config", theirs, profile))
