@@ -90,3 +90,13 @@ def test_bad_graph_one_line_exit_2(tmp_path, capsys, text: str, message: str) ->
     err = capsys.readouterr().err
     assert err == f"pipedream: error: {message}\n"
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("model, layers, chain", [("vgg16", 40, False), ("alexnet", 22, False),
+                                                  ("gnmt", 37, False), ("gnmt_large", 77, False)])
+def test_committed_pipedream_profiles_load(model: str, layers: int, chain: bool) -> None:
+    """benchmarks/planner/pipedream/*/profile.json (converted from PipeDream's graph.txt) are valid profiles."""
+    from pathlib import Path
+    p = Profile.load(Path(__file__).parent.parent / "benchmarks" / "planner" / "pipedream" / model / "profile.json")
+    assert (len(p.layers), p.model_args["chain"], p.model_args["source"]) == (layers, chain, "PipeDream graph.txt")
+    assert all(x.output_bytes > 0 for x in p.layers[:-1])  # every cut carries something
