@@ -10,6 +10,12 @@ from pathlib import Path
 from typing import IO, Any
 
 
+def load_json(path: str | Path) -> Any:
+    """The parsed JSON of `path`, errors as raised (OSError, UnicodeDecodeError, json.JSONDecodeError): for
+    readers that word their own message (the checkpoint marker, the --checkpoint-dir lock file)."""
+    return json.loads(Path(path).read_text())
+
+
 def read_json(path: str | Path, what: str, error: type[ValueError]) -> Any:
     """The parsed JSON of `path`; `error(message)` names the file and what `what` (e.g. 'plan.json') expected."""
     try:
