@@ -1,9 +1,19 @@
-"""Reading profile.json / plan.json: one clear error for an unreadable, non-text or non-JSON file."""
+"""JSON files (profile.json, plan.json, a checkpoint's COMPLETE marker): one reader with one clear error for an
+unreadable, non-text or non-JSON file, and one atomic writer, so that a reader sees the old file or the whole new
+one, never a part (a crash or a full disk mid-write leaves the old file)."""
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+
+def load_json(path: str | Path) -> Any:
+    """The parsed JSON of `path`, errors as raised (OSError, UnicodeDecodeError, json.JSONDecodeError): for
+    readers that word their own message (the checkpoint marker, the --checkpoint-dir lock file)."""
+    return json.loads(Path(path).read_text())
 
 
 def read_json(path: str | Path, what: str, error: type[ValueError]) -> Any:
@@ -18,3 +28,33 @@ def read_json(path: str | Path, what: str, error: type[ValueError]) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise error(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """Temporary file in the same directory, fsync, rename over `path`, fsync the directory: a reader
+    sees the old file or the whole new one, never a part."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: str | Path, value: Any) -> None:
+    """`value` as indented JSON and a newline, written atomically (atomic_write). An OSError names `path`
+    itself, not the temporary file: "[Errno 2] No such file or directory: 'out/plan.json'"."""
+    text = json.dumps(value, indent=1) + "\n"
+    try:
+        atomic_write(Path(path), lambda f: f.write(text.encode()))
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None

@@ -1,12 +1,11 @@
 """plan.json (`pipeflow.plan/1`): Plan dataclasses, load/save/validate (docs/formats.md)."""
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from partitioner.jsonfile import read_json
+from partitioner.jsonfile import read_json, write_json
 from pipeflow.schedule import SCHEDULES
 
 PLAN_FORMAT = "pipeflow.plan/1"
@@ -93,7 +92,7 @@ class Plan:
         return d
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        write_json(path, self.to_json())
 
     @classmethod
     def from_json(cls, d: Any, *, source: str = "plan") -> Plan:

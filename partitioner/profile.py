@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from partitioner.jsonfile import read_json
+from partitioner.jsonfile import read_json, write_json
 
 PROFILE_FORMAT = "pipeflow.profile/1"
 LAYER_NUMBERS = ("forward_ms", "backward_ms", "output_bytes", "activation_bytes", "parameter_bytes")
@@ -123,7 +123,7 @@ class Profile:
         return d
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        write_json(path, self.to_json())
 
     @classmethod
     def from_json(cls, d: Any, *, source: str = "profile") -> Profile:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 
 from partitioner.profile import LayerProfile, Profile, ProfileError
 from pipeflow.data.loader import MicrobatchLoader
@@ -21,21 +22,19 @@ from pipeflow.spec import ModelError, ModelSpec, build_model, model_dtype, parse
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
+def _not_sequence(x: Any) -> bool:
+    """Pytree leaves here: everything but tuples and lists (a layer's data is a tensor or nested tuples/lists)."""
+    return not isinstance(x, (tuple, list))
+
+
 def tensors(x: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a layer's input or output (a tensor or a nested tuple/list of tensors)."""
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (tuple, list)):
-        for item in x:
-            yield from tensors(item)
+    """The tensors of a layer's input or output (a tensor or a nested tuple/list of tensors), in order."""
+    return (t for t in tree_leaves(x, is_leaf=_not_sequence) if isinstance(t, torch.Tensor))
 
 
 def _map(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_map(item, fn) for item in x)
-    return x
+    """`x` with `fn` applied to each of its tensors; its tuples, lists and other values kept."""
+    return tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) else t, x, is_leaf=_not_sequence)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import json
 import logging
-import os
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 import torch
+
+from partitioner.jsonfile import atomic_write, write_json
 
 log = logging.getLogger(__name__)
 
@@ -47,26 +46,6 @@ def stage_file(d: Path, stage: int) -> Path:
 
 
 # ---------------------------------------------------------------------------------------- writing
-
-
-def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
-    """Temporary file in the same directory, fsync, rename over `path`, fsync the directory: a reader
-    sees the old file or the whole new one, never a part."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _param_names(engine: Any) -> dict[int, list[str]]:
@@ -193,7 +172,7 @@ def save(engine: Any, root: str | Path, step: int, comm: Any, run_info: dict[str
                    "sha256": sums[s][1]} for s, st in enumerate(engine.plan.stages)]
         marker = {"format": CKPT_FORMAT, "step": step, "stages": stages, "run": run_info}
         try:
-            atomic_write(d / MARKER, lambda f: f.write((json.dumps(marker, indent=1) + "\n").encode()))
+            write_json(d / MARKER, marker)
         except OSError as e:
             error = f"checkpoint of step {step} to {d} failed: cannot write {MARKER}: {e.strerror}"
     error = comm.bcast(error, root=0)

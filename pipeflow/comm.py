@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
 
 log = logging.getLogger(__name__)
 
@@ -124,13 +125,19 @@ def p2p_group_options(backend: str) -> Any:
 TensorMeta = tuple[tuple[int, ...], torch.dtype, bool]  # shape, dtype, requires_grad
 
 
+def _not_sequence(x: Any) -> bool:
+    """Pytree leaves for stage data: everything but tuples and lists (a dict or None is a leaf, so that
+    it is refused by name instead of being walked into or dropped)."""
+    return not isinstance(x, (tuple, list))
+
+
 def flatten(x: Any) -> list[torch.Tensor]:
-    """A layer's output (tensor or nested tuple/list of tensors) as a flat list."""
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [t for item in x for t in flatten(item)]
-    raise TypeError(f"stage outputs must be tensors or tuples of tensors, found {type(x).__name__}")
+    """A layer's output (tensor or nested tuple/list of tensors) as a flat list, depth-first in order."""
+    leaves = tree_leaves(x, is_leaf=_not_sequence)
+    for t in leaves:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"stage outputs must be tensors or tuples of tensors, found {type(t).__name__}")
+    return leaves
 
 
 class P2P:

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from partitioner.jsonfile import load_json
+
 log = logging.getLogger(__name__)
 
 LOCK_NAME = "pipeflow.lock"  # in --checkpoint-dir; rank 0 holds an fcntl lock on it for the whole run
@@ -146,7 +148,7 @@ def holder(path: Path) -> str:
     """'host H, pid P, since T' from a lock file; the holder may be between locking and writing: wait a moment."""
     for _ in range(20):
         try:
-            info = json.loads(path.read_text())
+            info = load_json(path)
             return f"host {info['host']}, pid {info['pid']}, since {info['since']}"
         except (OSError, ValueError, KeyError, TypeError):
             time.sleep(0.1)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from partitioner.jsonfile import load_json
 from pipeflow.checkpoint import (
     _STEP_RE,
     CKPT_FORMAT,
@@ -99,7 +100,7 @@ def verify(d: Path, marker: dict[str, Any], stages: range | list[int]) -> list[s
 def read_marker(d: Path) -> dict[str, Any]:
     path = d / MARKER
     try:
-        marker = json.loads(path.read_text())
+        marker = load_json(path)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: cannot read the checkpoint marker ({e}); expected JSON written by "
                               "pipeflow-train") from None

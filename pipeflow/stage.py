@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
-from pipeflow.comm import flatten
+from pipeflow.comm import _not_sequence, flatten
 from pipeflow.spec import model_dtype
 
 _MASK64 = (1 << 64) - 1
@@ -41,15 +42,25 @@ def layer_seed(seed: int, microbatch: int, layer: int) -> int:
     return _splitmix64(h ^ (layer & _MASK64)) >> 1
 
 
-def to_device(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        if device.type == "cuda" and x.device.type == "cpu":
-            # Pinned memory makes the copy truly asynchronous: no host sync in the steady state.
-            return x.pin_memory().to(device, non_blocking=True)
-        return x.to(device, non_blocking=True)
+def _as_tuples(x: Any) -> Any:
+    """Tuples and lists anywhere in a batch (named tuples included) become plain tuples: the first
+    stage's layers see one structure whatever built the batch. Structure only; tensors go through tree_map."""
     if isinstance(x, (tuple, list)):
-        return tuple(to_device(v, device) for v in x)
+        return tuple(_as_tuples(v) for v in x)
     return x
+
+
+def to_device(x: Any, device: torch.device) -> Any:
+    """The tensors of a batch (a tensor or nested tuples/lists of them, lists made tuples) on `device`;
+    anything else is passed as it is."""
+    def move(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if device.type == "cuda" and t.device.type == "cpu":
+            # Pinned memory makes the copy truly asynchronous: no host sync in the steady state.
+            return t.pin_memory().to(device, non_blocking=True)
+        return t.to(device, non_blocking=True)
+    return tree_map(move, _as_tuples(x), is_leaf=_not_sequence)
 
 
 @dataclass
@@ -137,8 +148,7 @@ def mark_requires_grad(tensors: list[torch.Tensor], flags: list[bool]) -> list[t
 
 
 def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
-    if isinstance(x, tuple):
-        return tuple(_cast_floats(v, dtype) for v in x)
-    return x
+    """Floating tensors of a batch in `dtype`; integer tensors (token ids) and anything else as they are."""
+    def cast(t: Any) -> Any:
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t
+    return tree_map(cast, x, is_leaf=_not_sequence)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 from torch.utils.data import Dataset
 
 
@@ -51,8 +52,5 @@ class MicrobatchLoader:
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [t for v in x for t in _tensors(v)]
-    return [torch.as_tensor(x)]
+    """A sample's tensors in order (a tensor or nested tuples/lists of them); a number counts as a 0-d tensor."""
+    return [torch.as_tensor(v) for v in tree_leaves(x, is_leaf=lambda v: not isinstance(v, (tuple, list)))]

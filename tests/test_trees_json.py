@@ -1,0 +1,139 @@
+"""Tensor trees through torch.utils._pytree and JSON files through partitioner.jsonfile (issue 12).
+
+Pure tests (no mpirun): the walkers keep their contracts (stage outputs travel as a flat tensor list, a batch's
+tuples/lists reach the first stage as tuples, non-tensors pass untouched), the loader's collate stays ours (it
+differs from torch's default_collate, pinned below), and plan/profile/marker files are replaced atomically.
+"""
+from __future__ import annotations
+
+import ast
+import os
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from partitioner.jsonfile import write_json
+from partitioner.plan import even_plan
+from partitioner.profiler import _map, tensors
+from pipeflow.comm import flatten
+from pipeflow.data.loader import MicrobatchLoader, collate
+from pipeflow.stage import _cast_floats, to_device
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU = torch.device("cpu")
+Pair = namedtuple("Pair", "a b")
+
+
+def test_flatten_is_depth_first_and_refuses_non_tensors_by_name() -> None:
+    a, b, c, d = (torch.full((1,), float(i)) for i in range(4))
+    out = flatten((a, [b, (c,)], d))
+    assert len(out) == 4 and all(x is y for x, y in zip(out, (a, b, c, d)))
+    assert flatten(a) == [a] and flatten(()) == []
+    assert flatten(Pair(a, (b,)))[1] is b
+    for bad, name in (({"h": a}, "dict"), ((a, None), "NoneType"), ((a, 3), "int")):
+        with pytest.raises(TypeError, match=f"^stage outputs must be tensors or tuples of tensors, found {name}$"):
+            flatten(bad)
+
+
+def test_first_stage_input_lists_become_tuples_and_non_tensors_pass() -> None:
+    x, y = torch.ones(2, dtype=torch.float64), torch.arange(3)
+    marker = {"k": torch.zeros(1)}
+    moved = to_device([x, [y, 7], Pair(x, y), marker], CPU)
+    assert type(moved) is tuple and type(moved[1]) is tuple and type(moved[2]) is tuple
+    assert moved[1][1] == 7 and moved[3] is marker  # a dict is a leaf: passed as it is, as before
+    torch.testing.assert_close(moved[0], x)
+    cast = _cast_floats(moved, torch.float32)
+    assert cast[0].dtype == torch.float32 and cast[1][0].dtype == torch.int64 and cast[2][1] is moved[2][1]
+    assert to_device(5, CPU) == 5 and _cast_floats("s", torch.float32) == "s"
+
+
+def test_profiler_walkers_keep_containers_and_skip_non_tensors() -> None:
+    a, b = torch.ones(1), torch.zeros(2)
+    assert [t.shape[0] for t in tensors((a, [b, None, 3]))] == [1, 2]
+    out = _map([a, (b, "x"), Pair(a, b)], lambda t: t + 1)
+    assert type(out) is list and type(out[1]) is tuple and out[1][1] == "x" and type(out[2]) is Pair
+    torch.testing.assert_close(out[2].b, torch.ones(2))
+
+
+def test_loader_collate_differs_from_default_collate_as_documented() -> None:
+    """Why pipeflow keeps its own collate: default_collate turns tuples into lists and Python floats into
+    float64 tensors (ours: tuples, the default dtype), and passes strings through instead of refusing them.
+    On tensor samples (every built-in and test dataset) the (input, target) pair is the same."""
+    samples = [(torch.randn(3), torch.tensor(i)) for i in range(4)]
+    ours, theirs = collate(samples), default_collate(samples)
+    assert type(ours) is tuple and type(theirs) is list
+    for o, t in zip(ours, theirs):
+        assert torch.equal(o, t)
+    floats = [(1.5, (torch.ones(1), 2)), (2.5, (torch.zeros(1), 3))]
+    ours, theirs = collate(floats), default_collate(floats)
+    assert ours[0].dtype == torch.get_default_dtype() and theirs[0].dtype == torch.float64
+    assert type(ours[1]) is tuple and type(theirs[1]) is list
+    assert torch.equal(ours[1][1], torch.tensor([2, 3]))
+    with pytest.raises(TypeError, match="cannot batch samples of type str"):
+        collate(["a", "b"])
+    assert default_collate(["a", "b"]) == ["a", "b"]
+
+
+def test_loader_signature_counts_numbers_as_scalars() -> None:
+    data = [((torch.ones(2, 3), 4.0), torch.tensor(0))] * 5
+    loader = MicrobatchLoader(data, 2, shuffle=False)  # type: ignore[arg-type]
+    assert loader.signature(0) == ((2, 2, 3), (2,))
+
+
+def test_write_json_replaces_the_file_a_reader_holds_open(tmp_path: Path) -> None:
+    """Rename, not rewrite: a reader that opened the old plan reads all of it, whatever a save does meanwhile
+    (before: write_text truncated the same file under the reader)."""
+    path = tmp_path / "plan.json"
+    even_plan(4, 2, schedule="gpipe", microbatches=2).save(path)
+    old = path.read_text()
+    with open(path) as reader:
+        even_plan(4, 4, schedule="gpipe", microbatches=2).save(path)
+        assert reader.read() == old
+    assert path.read_text() != old and '"workers": 4' in path.read_text()
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+
+
+def test_write_json_failure_keeps_old_file_and_names_the_path(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "profile.json"
+    write_json(path, {"old": 1})
+
+    def full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match=r"^\[Errno 28\] No space left on device: '.*/profile\.json'$"):
+        write_json(path, {"new": 2})
+    with pytest.raises(OSError, match=r"^\[Errno 2\] No such file or directory: '.*/nowhere/plan\.json'$"):
+        write_json(tmp_path / "nowhere" / "plan.json", {})
+    monkeypatch.undo()
+    assert path.read_text() == '{\n "old": 1\n}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]
+
+
+# Hand-written recursive walkers over tensor trees are replaced by torch.utils._pytree; these are the
+# only functions allowed to test for (tuple, list) themselves: leaf predicates handed to pytree, the
+# structure-only list -> tuple of the first stage's input, and the loader's collate (kept: see above).
+ALLOWED = {("pipeflow/comm.py", "_not_sequence"), ("partitioner/profiler.py", "_not_sequence"),
+           ("pipeflow/stage.py", "_as_tuples"), ("pipeflow/data/loader.py", "collate"),
+           ("pipeflow/data/loader.py", "_tensors")}
+
+
+def test_no_new_hand_written_tree_walkers() -> None:
+    found = set()
+    for package in ("pipeflow", "partitioner", "launch"):
+        for file in sorted((ROOT / package).rglob("*.py")):
+            tree = ast.parse(file.read_text())
+            for fn in ast.walk(tree):
+                if not isinstance(fn, ast.FunctionDef):
+                    continue
+                for node in ast.walk(fn):
+                    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                            and node.func.id == "isinstance" and len(node.args) == 2
+                            and isinstance(node.args[1], ast.Tuple)
+                            and {getattr(e, "id", None) for e in node.args[1].elts} == {"tuple", "list"}):
+                        found.add((file.relative_to(ROOT).as_posix(), fn.name))
+    assert found <= ALLOWED, f"walk tensor trees with torch.utils._pytree instead: {sorted(found - ALLOWED)}"
