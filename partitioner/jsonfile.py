@@ -32,7 +32,11 @@ def read_json(path: str | Path, what: str, error: type[ValueError]) -> Any:
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """Temporary file in the same directory, fsync, rename over `path`, fsync the directory: a reader
-    sees the old file or the whole new one, never a part."""
+    sees the old file or the whole new one, never a part. A symbolic link is written through: its
+    target is replaced, the link stays."""
+    path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:

@@ -7,6 +7,7 @@ differs from torch's default_collate, pinned below), and plan/profile/marker fil
 from __future__ import annotations
 
 import ast
+import json
 import os
 from collections import namedtuple
 from pathlib import Path
@@ -120,6 +121,16 @@ def test_write_json_failure_keeps_old_file_and_names_the_path(tmp_path: Path,
 ALLOWED = {("pipeflow/comm.py", "_not_sequence"), ("partitioner/profiler.py", "_not_sequence"),
            ("pipeflow/stage.py", "_as_tuples"), ("pipeflow/data/loader.py", "collate"),
            ("pipeflow/data/loader.py", "_tensors")}
+
+
+def test_write_json_through_a_symlink_replaces_its_target(tmp_path: Path) -> None:
+    """An output path that is a symbolic link keeps the link; the file it points to gets the new JSON."""
+    target = tmp_path / "real.json"
+    target.write_text("{}")
+    link = tmp_path / "plan.json"
+    link.symlink_to(target)
+    write_json(link, {"a": 1})
+    assert link.is_symlink() and json.loads(target.read_text()) == {"a": 1}
 
 
 def test_no_new_hand_written_tree_walkers() -> None:
