@@ -95,6 +95,26 @@ def new_groups(world: World, rank_sets: list[list[int]]) -> dict[tuple[int, ...]
     return groups
 
 
+def new_group(ranks: list[int], options: Any = None) -> Any:
+    """A process group of `ranks` (every rank of the world calls it, in the same order)."""
+    return dist.new_group(ranks, pg_options=options)
+
+
+def all_reduce(tensor: torch.Tensor, group: Any, *, async_op: bool = False) -> Any:
+    """Sum `tensor` in place over `group`; with async_op, the work to wait on."""
+    return dist.all_reduce(tensor, group=group, async_op=async_op)
+
+
+def group_size(group: Any) -> int:
+    return int(dist.get_world_size(group))
+
+
+def shutdown() -> None:
+    """Tear the process group down if one is up: NCCL may hang at exit when it is left for the destructor."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def p2p_max_ctas(environ: Mapping[str, str] = os.environ) -> int:
     """PIPEFLOW_P2P_MAX_CTAS as an integer >= 0 (0: NCCL's own choice); default 4."""
     text = environ.get("PIPEFLOW_P2P_MAX_CTAS", "4")
