@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
-log = logging.getLogger(__name__)
+from pipeflow.control import META_TAG  # the shape/dtype messages; MPI keeps one (source, tag)'s in order
 
-META_TAG = 71  # MPI tag of the shape/dtype messages; MPI keeps messages of one (source, tag) in order
+log = logging.getLogger(__name__)
 
 
 @dataclass

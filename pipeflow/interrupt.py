@@ -9,10 +9,9 @@ import time
 from types import FrameType
 from typing import Any
 
+from pipeflow.control import STOP_TAG  # the MPI tag on COMM_WORLD: a signalled rank tells the others
 from pipeflow.failure import say
 from pipeflow.signals import SignalStop
-
-STOP_TAG = 0x7E58  # MPI tag on COMM_WORLD: a signalled rank tells the others (watchdog.HEARTBEAT_TAG + 1)
 
 
 class ImmediateStop:

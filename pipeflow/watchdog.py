@@ -7,11 +7,11 @@ import threading
 import time
 from typing import Any
 
+from pipeflow.control import HEARTBEAT_TAG  # the MPI tag of watchdog messages on COMM_WORLD
 from pipeflow.failure import EXIT_FAILED, say
 
 log = logging.getLogger("pipeflow.failure")  # the name these lines had before failure.py was split: log lines unchanged
 
-HEARTBEAT_TAG = 0x7E57  # MPI tag of watchdog messages on COMM_WORLD; nothing else receives with ANY_TAG
 ALL_TO_ALL_MAX = 16     # up to this many ranks every rank watches every other; beyond, ring neighbours
 
 
