@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
-log = logging.getLogger(__name__)
+from pipeflow.control import META_TAG  # the shape/dtype messages; MPI keeps one (source, tag)'s in order
 
-META_TAG = 71  # MPI tag of the shape/dtype messages; MPI keeps messages of one (source, tag) in order
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,6 +93,26 @@ def new_groups(world: World, rank_sets: list[list[int]]) -> dict[tuple[int, ...]
             continue
         groups[key] = dist.new_group(list(ranks))
     return groups
+
+
+def new_group(ranks: list[int], options: Any = None) -> Any:
+    """A process group of `ranks` (every rank of the world calls it, in the same order)."""
+    return dist.new_group(ranks, pg_options=options)
+
+
+def all_reduce(tensor: torch.Tensor, group: Any, *, async_op: bool = False) -> Any:
+    """Sum `tensor` in place over `group`; with async_op, the work to wait on."""
+    return dist.all_reduce(tensor, group=group, async_op=async_op)
+
+
+def group_size(group: Any) -> int:
+    return int(dist.get_world_size(group))
+
+
+def shutdown() -> None:
+    """Tear the process group down if one is up: NCCL may hang at exit when it is left for the destructor."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def p2p_max_ctas(environ: Mapping[str, str] = os.environ) -> int:

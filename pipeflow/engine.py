@@ -6,10 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from partitioner.plan import Plan
-from pipeflow.comm import P2P, World, new_groups, p2p_group_options
+from pipeflow.comm import P2P, World, all_reduce, new_group, new_groups, p2p_group_options
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.hooks import Timer, WeightPolicy
 from pipeflow.kinds import Weights, schedule_kind
@@ -138,7 +137,7 @@ class Engine:
         groups: dict[tuple[int, int, str], Any] = {}
         options = p2p_group_options(self.world.backend)
         for (a, b, d), ranks in zip(pairs, sets):
-            groups[(a, b, d)] = dist.new_group(ranks, pg_options=options) if self.world.size > 1 else None
+            groups[(a, b, d)] = new_group(ranks, options) if self.world.size > 1 else None
         replica_sets = [st.ranks for st in self.plan.stages if st.replicas > 1]
         self.replica_groups = new_groups(self.world, replica_sets)
         last = self.plan.stages[-1]
@@ -300,7 +299,7 @@ class Engine:
         local = torch.stack(self.losses).sum() if self.losses else torch.zeros((), device=self.world.device)
         self.losses.clear()
         if self.loss_group is not None:
-            dist.all_reduce(local, group=self.loss_group)
+            all_reduce(local, self.loss_group)
         return float(local) / count if self.r == 0 else None
 
     @property

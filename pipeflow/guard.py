@@ -137,7 +137,7 @@ class StepGuard:
 
     def _agree(self, step: int) -> bool:
         """Allreduce [signal, signalled rank, loss-bad per stage, grad-bad per stage]; True if non-finite."""
-        from mpi4py import MPI
+        from pipeflow.control import allreduce_max
 
         s = self.engine.s
         mine = np.zeros(2 + 2 * self.stages, dtype=np.int64)
@@ -146,8 +146,7 @@ class StepGuard:
         mine[2 + s] = self.bad_loss
         mine[2 + self.stages + s] = self.bad_grad
         self.bad_loss = self.bad_grad = False
-        every = np.empty_like(mine)
-        self.comm.Allreduce(mine, every, op=MPI.MAX)
+        every = allreduce_max(self.comm, mine)
         loss_stages = [i for i in range(self.stages) if every[2 + i]]
         grad_stages = [i for i in range(self.stages) if every[2 + self.stages + i]]
         nonfinite = bool(loss_stages or grad_stages)

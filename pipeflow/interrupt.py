@@ -9,10 +9,9 @@ import time
 from types import FrameType
 from typing import Any
 
+from pipeflow.control import STOP_TAG  # the MPI tag on COMM_WORLD: a signalled rank tells the others
 from pipeflow.failure import say
 from pipeflow.signals import SignalStop
-
-STOP_TAG = 0x7E58  # MPI tag on COMM_WORLD: a signalled rank tells the others (watchdog.HEARTBEAT_TAG + 1)
 
 
 class ImmediateStop:
@@ -27,11 +26,11 @@ class ImmediateStop:
     """
 
     def __init__(self, comm: Any, progress: Any) -> None:
-        from mpi4py import MPI
+        from pipeflow.control import thread_multiple
 
         self.comm, self.progress = comm, progress  # progress(): steps this rank has finished
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.mpi_ok = self.size > 1 and MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+        self.mpi_ok = self.size > 1 and thread_multiple()
         self._old: dict[int, Any] = {}
         self._old_fd: int | None = None
         self._pipe: tuple[int, int] | None = None
@@ -57,10 +56,10 @@ class ImmediateStop:
     def _loop(self) -> None:
         import select
 
-        from mpi4py import MPI
+        from pipeflow.control import Inbox
 
         assert self._pipe is not None
-        status = MPI.Status()
+        inbox = Inbox(self.comm, STOP_TAG)
         while not self._done.is_set():
             ready, _, _ = select.select([self._pipe[0]], [], [], 0.1)
             if ready:
@@ -68,9 +67,9 @@ class ImmediateStop:
                 if not data or self._done.is_set():
                     return
                 self._stop(data[0], self.rank)
-            if self.mpi_ok and self.comm.iprobe(source=MPI.ANY_SOURCE, tag=STOP_TAG, status=status):
-                signum = self.comm.recv(source=status.Get_source(), tag=STOP_TAG)
-                self._stop(int(signum), status.Get_source())
+            if self.mpi_ok and inbox.poll():
+                signum = inbox.take()
+                self._stop(int(signum), inbox.source)
 
     def _stop(self, signum: int, by: int) -> None:
         if by == self.rank and self.mpi_ok:  # tell the others; small messages complete at once

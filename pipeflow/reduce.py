@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from pipeflow.comm import all_reduce, group_size
 
 
 class GradReducer:
@@ -85,7 +86,7 @@ class GradReducer:
                 flags[k].zero_()
         flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, ps)]
                          + [flags])
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        work = all_reduce(flat, self.group, async_op=True)
         self.works.append((work, flat, b, all(g is not None for g in grads)))
 
     def finish(self) -> None:
@@ -94,7 +95,7 @@ class GradReducer:
         while self.next < len(self.buckets):
             self._launch(self.next)
             self.next += 1
-        scale = 1.0 / dist.get_world_size(self.group) if self.average else None
+        scale = 1.0 / group_size(self.group) if self.average else None
         for work, flat, b, here in self.works:
             work.wait()
             ps = self.buckets[b]

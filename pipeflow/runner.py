@@ -30,7 +30,7 @@ def make_optimizer(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace, spec: ModelSpec, plan: Plan, comm: Any) -> int:
     from pipeflow.checkpoint import run_info
-    from pipeflow.comm import init_world
+    from pipeflow.comm import init_world, shutdown
     from pipeflow.data.loader import MicrobatchLoader
     from pipeflow.engine import Engine
     from pipeflow.monitor import Monitor
@@ -105,9 +105,8 @@ def run(args: argparse.Namespace, spec: ModelSpec, plan: Plan, comm: Any) -> int
             log.info("peak GPU memory per rank (GiB): %s", [round(p / 2**30, 2) for p in peaks])
     save_error = save_model(engine, args.save, comm, args.checkpoint_dir) if args.save else None
     comm.Barrier()
-    if torch.distributed.is_initialized():
-        # NCCL may hang at interpreter exit when its process group is left for the destructor.
-        torch.distributed.destroy_process_group()
+    # NCCL may hang at interpreter exit when its process group is left for the destructor.
+    shutdown()
     if save_error:
         from pipeflow.failure import AgreedError
 

@@ -81,15 +81,14 @@ class Supervisor:
     def after_segment(self, step: int) -> None:
         """At the boundary after `step` steps of an asynchronous schedule (the pipeline drained): agree
         through one allreduce whether a rank was signalled; checkpoint (with --checkpoint-dir); stop if agreed."""
-        from mpi4py import MPI
+        from pipeflow.control import allreduce_max
 
         if not self.args.checkpoint_dir:
             return
         mine = np.zeros(2, dtype=np.int64)
         if self.signals.signum:
             mine[0], mine[1] = self.signals.signum, self.comm.Get_rank() + 1
-        every = np.empty_like(mine)
-        self.comm.Allreduce(mine, every, op=MPI.MAX)
+        every = allreduce_max(self.comm, mine)
         if step != self.saved_step:
             self._checkpoint(step)
         if every[0]:

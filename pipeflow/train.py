@@ -168,11 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         import faulthandler
 
         faulthandler.dump_traceback_later(dump, exit=True)
-    from mpi4py import MPI
-
+    from pipeflow.comm import shutdown
+    from pipeflow.control import world_comm
     from pipeflow.watchdog import Watchdog, write_pid_file
 
-    comm = MPI.COMM_WORLD  # MPI is initialised once per process, by the import
+    comm = world_comm()  # MPI is initialised once per process, by the import
     state = ProcessState()
     setup_logging(comm.Get_rank(), comm.Get_size())
     write_pid_file()
@@ -192,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         watchdog.stop()
         atexit.unregister(watchdog.stop)
-        if torch.distributed.is_initialized():  # an agreed stop or error returns with the group still up
-            torch.distributed.destroy_process_group()
+        shutdown()  # an agreed stop or error returns with the group still up
         state.restore()
         release_checkpoint_lock()
     return code

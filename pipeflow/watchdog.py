@@ -7,11 +7,11 @@ import threading
 import time
 from typing import Any
 
+from pipeflow.control import HEARTBEAT_TAG  # the MPI tag of watchdog messages on COMM_WORLD
 from pipeflow.failure import EXIT_FAILED, say
 
 log = logging.getLogger("pipeflow.failure")  # the name these lines had before failure.py was split: log lines unchanged
 
-HEARTBEAT_TAG = 0x7E57  # MPI tag of watchdog messages on COMM_WORLD; nothing else receives with ANY_TAG
 ALL_TO_ALL_MAX = 16     # up to this many ranks every rank watches every other; beyond, ring neighbours
 
 
@@ -35,7 +35,7 @@ class Watchdog:
     """
 
     def __init__(self, comm: Any, timeout_s: float) -> None:
-        from mpi4py import MPI
+        from pipeflow.control import thread_multiple
 
         self.comm, self.timeout = comm, timeout_s
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
@@ -49,7 +49,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sends: list[Any] = []
-        if self.peers and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        if self.peers and not thread_multiple():
             log.warning("MPI is not initialised with MPI_THREAD_MULTIPLE: dead or stopped ranks are not "
                         "detected on MPI calls (gloo transfers still time out after --timeout)")
             self.peers = []
@@ -77,16 +77,16 @@ class Watchdog:
 
     def _drain(self) -> None:
         """Receive the heartbeats still queued: MPI_Finalize with unmatched messages can end badly."""
-        from mpi4py import MPI
+        from pipeflow.control import Inbox
 
-        status = MPI.Status()
-        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=HEARTBEAT_TAG, status=status):
-            self.comm.recv(source=status.Get_source(), tag=HEARTBEAT_TAG)
+        inbox = Inbox(self.comm, HEARTBEAT_TAG)
+        while inbox.poll():
+            inbox.take()
 
     def _loop(self) -> None:
-        from mpi4py import MPI
+        from pipeflow.control import Inbox
 
-        status = MPI.Status()
+        inbox = Inbox(self.comm, HEARTBEAT_TAG)
         next_beat = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
@@ -99,12 +99,12 @@ class Watchdog:
                         self._fail(p, f"sending to it failed ({e})")
                 next_beat = now + self.interval
             try:
-                while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=HEARTBEAT_TAG, status=status):
-                    src = status.Get_source()
-                    self.comm.recv(source=src, tag=HEARTBEAT_TAG)
+                while inbox.poll():
+                    src = inbox.source
+                    inbox.take()
                     self.last_seen[src] = time.monotonic()
             except Exception as e:
-                self._fail(status.Get_source(), f"receiving from it failed ({e})")
+                self._fail(inbox.source, f"receiving from it failed ({e})")
             now = time.monotonic()
             silent = [(p, now - t) for p, t in self.last_seen.items() if now - t > self.timeout]
             if silent:
