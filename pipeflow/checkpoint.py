@@ -1,6 +1,6 @@
 """Checkpoints stored per layer (model-wide keys): atomic per-stage files, a COMPLETE marker, resume.
 
-    D/step-000005/stage-000.pt   weights, optimizer state, RNG, policy extra state of stage 0
+    D/step-000005/stage-000.pt   weights, optimizer state, RNG of stage 0
     D/step-000005/stage-001.pt
     D/step-000005/COMPLETE       JSON written by rank 0 once every stage confirmed its file, with each
                                  file's size and sha256, so that a resume can verify them exactly
@@ -14,7 +14,6 @@ This module is the format and the writing side; restore.py finds, verifies and l
 from __future__ import annotations
 
 import hashlib
-import importlib
 import logging
 import re
 from pathlib import Path
@@ -75,12 +74,11 @@ def stage_payload(engine: Any, step: int, run_info: dict[str, Any]) -> dict[str,
     rng: dict[str, Any] = {"torch": torch.get_rng_state()}
     if engine.world.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(engine.world.device)
-    extra_state = getattr(engine.policy, "extra_state", None)
     return {"format": CKPT_FORMAT, "step": step, "stage": engine.s,
             "layers": [engine.stage.start, engine.stage.start + len(engine.stage.module)],
             "weights": {k: v.clone() for k, v in engine.state_dict().items()},
             "optimizer": optimizer_state(engine), "rng": rng,
-            "extra": extra_state() if callable(extra_state) else None, "run": run_info}
+            "extra": None, "run": run_info}  # "extra": kept in the format, unused
 
 
 class _HashingSink:
@@ -187,14 +185,3 @@ def run_info(args: Any, spec: Any, plan: Any) -> dict[str, Any]:
             "shuffle": not args.no_shuffle, "samples_per_step": plan.microbatches * args.microbatch_size,
             "microbatches": plan.microbatches, "microbatch_size": args.microbatch_size,
             "schedule": plan.schedule, "optimizer": args.optimizer, "dtype": args.dtype}
-
-
-# The reading side lived here before the split, for code that calls it as checkpoint.load & co. (the runtime
-# imports restore.py). Resolved on first use, so this module imports nothing of it: no import cycle.
-_MOVED = ("complete_steps", "candidates", "resolve", "verify", "read_marker", "load_stage_file", "check_run", "load")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        return getattr(importlib.import_module("pipeflow.restore"), name)
-    raise AttributeError(f"module 'pipeflow.checkpoint' has no attribute {name!r}")

@@ -280,7 +280,7 @@ class Engine:
             for tie in self.tie_reducers:  # after the replicas' reduction, which excludes tied parameters
                 tie.finish()
             self.policy.before_step()
-            # failure.StepGuard: skips non-finite updates; agrees on stop/skip at step boundaries.
+            # guard.StepGuard: skips non-finite updates; agrees on stop/skip at step boundaries.
             if self.step_guard is None or self.step_guard():
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

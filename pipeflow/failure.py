@@ -6,7 +6,6 @@ checkpoints and stops at step boundaries).
 """
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from typing import Any
@@ -51,15 +50,3 @@ class AgreedError(Exception):
 
 class UsageError(ValueError):
     """A flag, file or world size that cannot work; reported once (rank 0) when all ranks agree, exit code 2."""
-
-
-# The classes that lived here before the split, for code that imports them from pipeflow.failure (the runtime
-# imports their own modules). Resolved on first use, so this module imports none of them: no import cycle.
-_MOVED = {"Watchdog": "pipeflow.watchdog", "write_pid_file": "pipeflow.watchdog", "SignalStop": "pipeflow.signals",
-          "StepGuard": "pipeflow.guard", "Supervisor": "pipeflow.supervisor"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module 'pipeflow.failure' has no attribute {name!r}")

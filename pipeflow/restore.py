@@ -217,11 +217,8 @@ def load(engine: Any, d: Path, run_info: dict[str, Any], marker: dict[str, Any] 
         torch.set_rng_state(same_stage["rng"]["torch"])
         if "cuda" in same_stage["rng"] and engine.world.device.type == "cuda":
             torch.cuda.set_rng_state(same_stage["rng"]["cuda"], engine.world.device)
-        load_extra = getattr(engine.policy, "load_extra_state", None)
-        if callable(load_extra) and same_stage.get("extra") is not None:
-            load_extra(same_stage["extra"])
     else:
-        log.info("stage %d: the checkpoint splits the layers differently; RNG and weight-policy state start "
+        log.info("stage %d: the checkpoint splits the layers differently; RNG state starts "
                  "fresh (weights and optimizer state are restored per layer)", engine.s)
     return int(marker["step"])
 

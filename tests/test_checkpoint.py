@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeflow import checkpoint
+from pipeflow import checkpoint, restore
 from pipeflow.checkpoint import CheckpointError
 from pipeflow.engine import WeightPolicy
 from pipeflow.spec import build_model
@@ -64,7 +64,7 @@ def write_checkpoint(root: Path, step: int, splits: list[tuple[int, int]]) -> tu
 def test_per_layer_state_loads_under_another_split(tmp_path):
     d, saved = write_checkpoint(tmp_path, 5, [(0, 2), (2, 4), (4, 6)])
     target = fake_engine((1, 5), 0, steps=0)  # straddles three saved stages, fresh optimizer
-    assert checkpoint.load(target, d, RUN) == 5
+    assert restore.load(target, d, RUN) == 5
     want = {k: v for e in saved for k, v in e.state_dict().items()}
     for k, v in target.state_dict().items():
         torch.testing.assert_close(v, want[k], rtol=0, atol=0)
@@ -80,20 +80,20 @@ def test_latest_complete_and_errors(tmp_path):
     write_checkpoint(tmp_path, 3, [(0, 6)])
     write_checkpoint(tmp_path, 7, [(0, 6)])
     (tmp_path / "step-000009").mkdir()  # a run killed while writing step 9: no COMPLETE
-    assert checkpoint.resolve("latest", str(tmp_path)) == tmp_path / "step-000007"
-    assert checkpoint.resolve(str(tmp_path), None) == tmp_path / "step-000007"
-    assert checkpoint.resolve(str(tmp_path / "step-000003"), None) == tmp_path / "step-000003"
-    assert checkpoint.resolve("latest", str(tmp_path / "empty")) is None
+    assert restore.resolve("latest", str(tmp_path)) == tmp_path / "step-000007"
+    assert restore.resolve(str(tmp_path), None) == tmp_path / "step-000007"
+    assert restore.resolve(str(tmp_path / "step-000003"), None) == tmp_path / "step-000003"
+    assert restore.resolve("latest", str(tmp_path / "empty")) is None
     with pytest.raises(CheckpointError, match="incomplete"):
-        checkpoint.resolve(str(tmp_path / "step-000009"), None)
+        restore.resolve(str(tmp_path / "step-000009"), None)
     with pytest.raises(CheckpointError, match="no such file"):
-        checkpoint.resolve(str(tmp_path / "nope"), None)
+        restore.resolve(str(tmp_path / "nope"), None)
     with pytest.raises(CheckpointError, match="needs --checkpoint-dir"):
-        checkpoint.resolve("latest", None)
+        restore.resolve("latest", None)
     with pytest.raises(CheckpointError, match="samples_per_step 8 -> 16"):
-        checkpoint.load(fake_engine((0, 6), steps=0), tmp_path / "step-000007", {**RUN, "samples_per_step": 16})
+        restore.load(fake_engine((0, 6), steps=0), tmp_path / "step-000007", {**RUN, "samples_per_step": 16})
     with pytest.raises(CheckpointError, match="model of 6 layers"):
-        checkpoint.load(fake_engine((0, 6), steps=0), tmp_path / "step-000007", {**RUN, "num_layers": 8})
+        restore.load(fake_engine((0, 6), steps=0), tmp_path / "step-000007", {**RUN, "num_layers": 8})
 
 
 def test_atomic_write_leaves_old_file_on_failure(tmp_path):
@@ -122,7 +122,7 @@ def test_truncated_file_is_a_clear_error(tmp_path_factory, stage_bytes, cut):
     path = tmp_path_factory.mktemp("t") / "stage-000.pt"
     path.write_bytes(stage_bytes[:int(len(stage_bytes) * cut)])
     with pytest.raises(CheckpointError, match=r"stage-000\.pt.*expected"):
-        checkpoint.load_stage_file(path)
+        restore.load_stage_file(path)
 
 
 @pytest.mark.parametrize("obj", [{"weights": {}}, {"format": "pipeflow.checkpoint/1", "step": "5"}, [1, 2],
@@ -132,14 +132,14 @@ def test_foreign_file_is_a_clear_error(tmp_path, obj):
     path = tmp_path / "stage-000.pt"
     torch.save(obj, path)
     with pytest.raises(CheckpointError, match=r"stage-000\.pt: (foreign|malformed).*expected"):
-        checkpoint.load_stage_file(path)
+        restore.load_stage_file(path)
 
 
 def test_file_needing_unsafe_pickle_is_refused(tmp_path):
     path = tmp_path / "stage-000.pt"
     torch.save({"format": checkpoint.CKPT_FORMAT, "obj": SimpleNamespace(a=1)}, path)
     with pytest.raises(CheckpointError, match="cannot load it"):
-        checkpoint.load_stage_file(path)
+        restore.load_stage_file(path)
 
 
 # ------------------------------------------------------------------------------ under mpirun

@@ -135,7 +135,8 @@ def test_lagged_guard_skips_on_the_device_and_reports_a_step_later():
     import torch
     from mpi4py import MPI
 
-    from pipeflow.failure import SignalStop, StepGuard
+    from pipeflow.guard import StepGuard
+    from pipeflow.signals import SignalStop
 
     w = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.Adam([w], lr=0.1, fused=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeflow import checkpoint
+from pipeflow import checkpoint, restore
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.engine import WeightPolicy
 from pipeflow.reduce import find_ties
@@ -192,7 +192,7 @@ def test_tied_optimizer_state_is_saved_under_every_key(tmp_path):
     (d / checkpoint.MARKER).write_text(json.dumps(marker))
     spec = build_model("gpt", GPT)
     head = _stage_engine(spec, (2, 4), 1)
-    assert checkpoint.load(head, d, run) == 1
+    assert restore.load(head, d, run) == 1
     tied = whole.stage.module[0].tok.weight
     lm = head.stage.module[1].lm.weight
     torch.testing.assert_close(lm, tied, rtol=0, atol=0)
