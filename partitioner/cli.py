@@ -16,17 +16,12 @@ from collections.abc import Sequence
 from partitioner.plan import Plan, PlanError
 from partitioner.planner import OPTIMIZER_STATES, SCHEDULES, PlanningError
 from partitioner.profile import Profile, ProfileError
-from partitioner.service import (  # noqa: F401  (AUTO_BUBBLE .. plan_from_profile: the names tests import from here)
-    AUTO_BUBBLE,
-    MAX_MICROBATCHES,
-    MAX_WORKERS,
+from partitioner.service import (
     Planned,
     _check_microbatches,
     _topology,
     evaluate_plan,
-    layer_costs,
     plan_detailed,
-    plan_from_profile,
 )
 from partitioner.topology import TopologyError, format_bytes
 from pipeflow.kinds import schedule_kind

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
-from partitioner.cli import AUTO_BUBBLE, main, plan_from_profile
+from partitioner.cli import main
 from partitioner.plan import Plan
 from partitioner.planner import PlanningError
 from partitioner.profile import LayerProfile, Profile
+from partitioner.service import AUTO_BUBBLE, plan_from_profile
 from partitioner.topology import TopologyError
 
 

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from partitioner.cli import plan_from_profile
 from partitioner.planner import (
     INF,
     CostModel,
@@ -24,6 +23,7 @@ from partitioner.planner import (
 )
 from partitioner.profile import LayerProfile, Profile
 from partitioner.search import search
+from partitioner.service import plan_from_profile
 from partitioner.topology import Level, Topology, TopologyError, parse_bandwidth, parse_bytes
 
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from partitioner.cli import layer_costs, main
+from partitioner.cli import main
 from partitioner.planner import CostModel, Node, evaluate
 from partitioner.price import price, schedule_rule
 from partitioner.profile import LayerProfile, Profile
+from partitioner.service import layer_costs
 from partitioner.topology import Topology
 
 

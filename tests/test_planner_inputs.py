@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from partitioner.cli import MAX_MICROBATCHES, MAX_WORKERS, main
+from partitioner.cli import main
 from partitioner.plan import Plan, PlanError
 from partitioner.profile import LayerProfile, Profile, ProfileError
+from partitioner.service import MAX_MICROBATCHES, MAX_WORKERS
 
 
 def make_profile(n: int = 8, **kw: Any) -> Profile:
