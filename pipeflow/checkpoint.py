@@ -17,11 +17,14 @@ import hashlib
 import logging
 import re
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
 from partitioner.jsonfile import atomic_write, write_json
+
+if TYPE_CHECKING:
+    from pipeflow.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +182,7 @@ def save(engine: Any, root: str | Path, step: int, comm: Any, run_info: dict[str
     return d
 
 
-def run_info(args: Any, spec: Any, plan: Any) -> dict[str, Any]:
+def run_info(args: TrainConfig, spec: Any, plan: Any) -> dict[str, Any]:
     """What a checkpoint records about its run; MUST_MATCH entries are checked on resume."""
     return {"model": spec.name, "model_args": spec.args, "num_layers": len(spec.layers), "seed": args.seed,
             "shuffle": not args.no_shuffle, "samples_per_step": plan.microbatches * args.microbatch_size,

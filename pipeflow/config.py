@@ -1,10 +1,12 @@
-"""Validation of pipeflow-train's flags and environment before any process group, model copy or schedule
-is built: each check raises ConfigError with one line saying what was expected and what was found."""
+"""pipeflow-train's configuration: TrainConfig, the one thing the runtime gets from the command line (issue 12),
+validated before any process group, model copy or schedule is built; each check raises ConfigError with one
+line saying what was expected and what was found."""
 from __future__ import annotations
 
 import logging
 import math
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from pipeflow.kinds import schedule_kind
@@ -78,17 +80,94 @@ def stack_dump_seconds(environ: Mapping[str, str]) -> float | None:
     return seconds if math.isfinite(seconds) and seconds > 0 else None
 
 
+@dataclass(frozen=True)
+class TrainConfig:
+    """pipeflow-train's flags (README, Commands; the defaults are the flags'), validated on creation:
+    every check that needs neither the model nor the plan, one line each (ConfigError, exit 2)."""
+
+    model: str = "gpt"
+    model_args: str | None = None
+    plan: str | None = None
+    schedule: str | None = None
+    steps: int = 50
+    microbatches: int | None = None
+    microbatch_size: int = 4
+    seed: int = 0
+    no_shuffle: bool = False
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    device: str = "auto"
+    dtype: str | None = None
+    timeout: float = 300.0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: str | None = None
+    skip_nonfinite: bool = False
+    max_skips: int = 10
+    save: str | None = None
+    log_every: int = 0
+    tensorboard: str | None = None
+    trace: str | None = None
+    vertical_sync: bool = False
+    layers_per_stage: str | None = None
+    straight: bool = False
+    topology: str | None = None
+    memory_per_worker: str | None = None
+    warmup: str = "min"
+
+    def __post_init__(self) -> None:
+        from pipeflow.kinds import SCHEDULES
+
+        check_optimizer(self)
+        if not math.isfinite(self.timeout):
+            raise ConfigError(f"--timeout must be a finite number of seconds > 0, found {self.timeout}")
+        if self.max_skips < 0:
+            raise ConfigError(f"--max-skips must be >= 0 (0: never stop), found {self.max_skips}")
+        if self.microbatches is not None:
+            check_schedule_size(self.microbatches, "--microbatches")
+        check_device(self.device)
+        for name in ("steps", "microbatch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, found {getattr(self, name)}")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise ConfigError(f"--microbatches must be >= 1, found {self.microbatches}")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown schedule {self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+        if self.vertical_sync and self.schedule and not schedule_kind(self.schedule).vertical_sync:
+            raise ConfigError(f"--vertical-sync needs --schedule async, found {self.schedule}")
+        if self.timeout <= 0:
+            raise ConfigError(f"--timeout must be > 0 seconds, found {self.timeout}")
+        if self.warmup not in ("min", "fill") and not all(x.strip().isdigit() for x in self.warmup.split(",")):
+            raise ConfigError(f"--warmup must be min, fill or comma-separated counts like 9,6,3,0, found "
+                              f"{self.warmup!r}")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"--checkpoint-every must be >= 0 steps, found {self.checkpoint_every}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to write the checkpoints)")
+
+    @classmethod
+    def from_flags(cls, flags: Mapping[str, Any], environ: Mapping[str, str]) -> TrainConfig:
+        """The config of parsed flags (argparse's dests; vars(namespace)), after the PIPEFLOW_* knobs of
+        `environ` are checked too: the flags first, then the environment, as before TrainConfig."""
+        config = cls(**{k: v for k, v in flags.items() if k in cls.__dataclass_fields__})
+        check_environment(environ)
+        return config
+
+    def as_dict(self) -> dict[str, Any]:
+        """The flags as a dict (TensorBoard's config text)."""
+        return asdict(self)
+
+    @property
+    def segment_steps(self) -> int | None:
+        """Asynchronous schedules: minibatches per segment (checkpoints cut them); None: the whole run."""
+        return (min(self.checkpoint_every, self.steps) or None) if self.checkpoint_dir else None
+
+
 def check_args(args: Any, environ: Mapping[str, str]) -> None:
-    """Every check that needs neither the model nor the plan."""
-    check_optimizer(args)
-    if not math.isfinite(args.timeout):
-        raise ConfigError(f"--timeout must be a finite number of seconds > 0, found {args.timeout}")
-    if args.max_skips < 0:
-        raise ConfigError(f"--max-skips must be >= 0 (0: never stop), found {args.max_skips}")
-    if args.microbatches is not None:
-        check_schedule_size(args.microbatches, "--microbatches")
-    check_device(args.device)
-    check_environment(environ)
+    """Every check that needs neither the model nor the plan (TrainConfig's, for a namespace of flags)."""
+    TrainConfig.from_flags(vars(args) if not isinstance(args, TrainConfig) else args.as_dict(), environ)
 
 
 def check_schedule_size(microbatches: int, what: str, hint: str = "") -> None:
@@ -99,7 +178,7 @@ def check_schedule_size(microbatches: int, what: str, hint: str = "") -> None:
             "use fewer, larger microbatches (--microbatch-size)")
 
 
-def check_plan(plan: Any, args: Any, schedules: tuple[str, ...]) -> int:
+def check_plan(plan: Any, args: TrainConfig, schedules: tuple[str, ...]) -> int:
     """The plan's schedule and the size of the action list it gives; returns that size in microbatches."""
     if plan.schedule not in schedules:
         raise ConfigError(f"the plan's schedule {plan.schedule!r} is unknown: expected one of {', '.join(schedules)}"

@@ -9,8 +9,7 @@ import torch
 
 from partitioner.plan import Plan
 from pipeflow.comm import P2P, World, all_reduce, new_group, new_groups, p2p_group_options
-from pipeflow.data.loader import MicrobatchLoader
-from pipeflow.hooks import Timer, WeightPolicy
+from pipeflow.hooks import Feed, GateFactory, StepGate, Timer, Timing, WeightHooks, WeightPolicy
 from pipeflow.kinds import Weights, schedule_kind
 from pipeflow.reduce import GradReducer, Tie, find_ties
 from pipeflow.schedule import Action, Kind, Schedule, generate
@@ -23,15 +22,16 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, world: World, plan: Plan, spec: ModelSpec, *, schedule: str,
                  optimizer_factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
-                 loader: MicrobatchLoader, dtype: torch.dtype | None = None, total_steps: int = 1,
-                 timer: Timer | None = None, vertical_sync: bool = False,
-                 warmup: list[int] | None = None, segment_steps: int | None = None, seed: int = 0) -> None:
+                 loader: Feed, dtype: torch.dtype | None = None, total_steps: int = 1,
+                 timer: Timing | None = None, vertical_sync: bool = False,
+                 warmup: list[int] | None = None, segment_steps: int | None = None, seed: int = 0,
+                 step_gate: GateFactory | None = None) -> None:
         # No reference to spec (its layer list) is kept: only this stage's layers stay alive (issue 10).
         self.world, self.plan, self.loader = world, plan, loader
         self.kind = schedule_kind(schedule)  # the schedule's rules (kinds.py)
         self.m = plan.microbatches
         self.total_steps = total_steps
-        self.timer = timer or Timer()
+        self.timer: Timing = timer or Timer()
         self.s, self.r = plan.stage_of_rank(world.rank)
         self.S = len(plan.stages)
         st = plan.stages[self.s]
@@ -63,13 +63,14 @@ class Engine:
             # schedules scale each microbatch's loss by 1/m, so the sum is already the minibatch mean.
             self.reducer = GradReducer([p for p in self.stage.parameters() if id(p) not in tied], group,
                                        average=self.kind.mean_over_replicas)
-        self.policy = WeightPolicy()
-        self.step_guard: Callable[[], bool] | None = None
+        self.policy: WeightHooks = WeightPolicy()
         if self.kind.weights is not Weights.LIVE:
             self._new_policy()
         # Microbatches one STEP of this stage consumes (over its replicas): async steps per backward.
         self.microbatches_per_step = self.kind.microbatches_per_update(self.m, st.replicas)
         self.losses: list[torch.Tensor] = []
+        # Made last: a gate checks this engine's stage, optimizer and actions (guard.StepGuard).
+        self.step_gate: StepGate | None = step_gate(self) if step_gate is not None else None
 
     # ------------------------------------------------------------------ set-up
 
@@ -281,7 +282,7 @@ class Engine:
                 tie.finish()
             self.policy.before_step()
             # guard.StepGuard: skips non-finite updates; agrees on stop/skip at step boundaries.
-            if self.step_guard is None or self.step_guard():
+            if self.step_gate is None or self.step_gate():
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.policy.after_step()

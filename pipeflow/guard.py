@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pipeflow.failure import EXIT_NONFINITE, NonFiniteError
+from pipeflow.hooks import arm_device_skip, supports_device_skip
 from pipeflow.signals import SignalStop
 
 log = logging.getLogger("pipeflow.failure")  # the name these lines had before failure.py was split: log lines unchanged
@@ -51,7 +52,7 @@ class StepGuard:
         # --skip-nonfinite keeps the synchronous check: every stage must skip the same step.
         opt = engine.optimizer
         self.lagged = (agree_every_step and not skip_nonfinite and engine.world.device.type == "cuda"
-                       and bool(getattr(opt, "_step_supports_amp_scaling", False)))
+                       and supports_device_skip(opt))
         self.pending: list[tuple[int, torch.Tensor, Any]] = []  # (step, pinned [bad_grad, bad_loss], event)
 
     def _device_flags(self) -> torch.Tensor:
@@ -72,7 +73,7 @@ class StepGuard:
     def _lagged(self) -> bool:
         """The sync-free check: skip on the device now, agree on the previous step's flags."""
         flags = self._device_flags()
-        self.engine.optimizer.found_inf = flags.any().float()
+        arm_device_skip(self.engine.optimizer, flags.any().float())
         host = torch.empty(2, dtype=torch.bool, pin_memory=flags.is_cuda)
         host.copy_(flags, non_blocking=flags.is_cuda)
         event = torch.cuda.Event() if flags.is_cuda else None

@@ -11,7 +11,7 @@ import torch
 
 from partitioner.plan import Plan
 from pipeflow.board import Board, describe
-from pipeflow.hooks import Timer
+from pipeflow.hooks import Timer, Timing
 from pipeflow.progress import Progress
 from pipeflow.spans import (  # noqa: F401  (step_metrics: tests import it from here)
     Span,
@@ -42,7 +42,7 @@ class Monitor:
         self.owner = plan.stages[-1].ranks[0]
         self.tensorboard, self.trace_path = tensorboard, trace
         self.recording = bool(tensorboard or trace)
-        self.timer: Timer = SpanTimer(device) if self.recording else Timer()
+        self.timer: Timing = SpanTimer(device) if self.recording else Timer()
         self.trace_spans: list[Span] = []
         self.clock_shift = 0.0  # add to this rank's span times to put them on rank 0's time axis
         self.samples_per_step, self.tokens_per_sample = samples_per_step, tokens_per_sample

@@ -16,9 +16,12 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from partitioner.jsonfile import load_json
+
+if TYPE_CHECKING:
+    from pipeflow.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +90,7 @@ def check_dir(flag: str, path: str) -> None:
         raise OutputError(f"{flag} {path}: cannot create files in {near}: {why}")
 
 
-def check_outputs(args: Any) -> None:
+def check_outputs(args: TrainConfig) -> None:
     """Every output path of a pipeflow-train run; raises OutputError naming the flag, the path and the reason."""
     for flag, path in (("--save", args.save), ("--trace", args.trace)):
         if path:
@@ -155,7 +158,7 @@ def holder(path: Path) -> str:
     return "holder unknown: the lock file does not say"
 
 
-def prepare_outputs(args: Any, rank: int) -> CheckpointLock | None:
+def prepare_outputs(args: TrainConfig, rank: int) -> CheckpointLock | None:
     """Set-up: check every output path; rank 0 locks --checkpoint-dir (kept until release_checkpoint_lock,
     which pipeflow.train.main calls when it returns, or the process ends)."""
     global _held

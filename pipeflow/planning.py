@@ -2,7 +2,6 @@
 (through the planning service, partitioner/service.py); and the checks of a plan against the flags."""
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 import torch
 
 from partitioner.plan import Plan
+from pipeflow.config import TrainConfig
 from pipeflow.failure import UsageError
 from pipeflow.kinds import schedule_kind
 from pipeflow.spec import ModelSpec
@@ -17,7 +17,7 @@ from pipeflow.spec import ModelSpec
 log = logging.getLogger("pipeflow")
 
 
-def make_plan(args: argparse.Namespace, spec: ModelSpec, world_size: int, rank: int, mpi: Any) -> Plan:
+def make_plan(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, mpi: Any) -> Plan:
     """The plan from --plan; an even or explicit split (--layers-per-stage); otherwise rank 0 profiles
     the layers and runs the planner for this many workers, and every rank gets its plan."""
     n = len(spec.layers)
@@ -46,7 +46,7 @@ def make_plan(args: argparse.Namespace, spec: ModelSpec, world_size: int, rank: 
                      layer_counts=counts)
 
 
-def plan_on_the_spot(args: argparse.Namespace, spec: ModelSpec, world_size: int, rank: int, mpi: Any) -> Plan:
+def plan_on_the_spot(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, mpi: Any) -> Plan:
     result: tuple[str, Any] = ("error", "rank 0 did not plan")
     if rank == 0:
         try:

@@ -1,24 +1,27 @@
 """The training loop of one run: world, monitor, engine and supervisor made, steps run, the model saved."""
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from partitioner.plan import Plan
+from pipeflow.config import TrainConfig
 from pipeflow.planning import resolve_warmup
 from pipeflow.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from pipeflow.api import OptimizerFactory, Pipeline
 
 log = logging.getLogger("pipeflow")
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
-def make_optimizer(args: argparse.Namespace) -> Any:
+def make_optimizer(args: TrainConfig) -> OptimizerFactory:
     def factory(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         if args.optimizer == "sgd":
             return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
@@ -28,13 +31,14 @@ def make_optimizer(args: argparse.Namespace) -> Any:
     return factory
 
 
-def run(args: argparse.Namespace, spec: ModelSpec, plan: Plan, comm: Any) -> int:
+def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Any) -> int:
+    from pipeflow.api import Pipeline
     from pipeflow.checkpoint import run_info
     from pipeflow.comm import init_world, shutdown
     from pipeflow.data.loader import MicrobatchLoader
-    from pipeflow.engine import Engine
     from pipeflow.monitor import Monitor
-    from pipeflow.supervisor import Supervisor
+    from pipeflow.signals import SignalStop
+    from pipeflow.supervisor import Supervisor, step_guard
 
     world = init_world(device=args.device, timeout_s=args.timeout)
     # mpirun (MPICH's) reports a killed process by its pid and ends the job before any rank can speak:
@@ -48,19 +52,24 @@ def run(args: argparse.Namespace, spec: ModelSpec, plan: Plan, comm: Any) -> int
     m = plan.microbatches
     monitor = Monitor(comm, plan, world.device, total_steps=args.steps, samples_per_step=m * args.microbatch_size,
                       tokens_per_sample=spec.tokens_per_sample, tensorboard=args.tensorboard, trace=args.trace,
-                      config=vars(args))
-    engine = Engine(world, plan, spec, schedule=plan.schedule, optimizer_factory=make_optimizer(args),
-                    warmup=resolve_warmup(args.warmup, plan),
-                    loader=loader, dtype=DTYPES[args.dtype] if args.dtype else None, total_steps=args.steps,
-                    timer=monitor.timer, vertical_sync=args.vertical_sync, seed=args.seed,
-                    segment_steps=(min(args.checkpoint_every, args.steps) or None) if args.checkpoint_dir else None)
+                      config=args.as_dict())
+    signals = SignalStop()
+    # The Python API's pipeline (api.py), fed by the dataset's loader, with the monitor's timer and the
+    # non-finite guard (supervisor.step_guard) as its hooks.
+    pipe = Pipeline(spec.layers, spec.loss_fn, plan=plan, optimizer=make_optimizer(args),
+                    warmup=resolve_warmup(args.warmup, plan), dtype=DTYPES[args.dtype] if args.dtype else None,
+                    seed=args.seed, vertical_sync=args.vertical_sync, world=world, data=loader, timer=monitor.timer,
+                    step_gate=step_guard(args, comm, signals), total_steps=args.steps,
+                    segment_steps=args.segment_steps)
+    engine = pipe.engine
     info = run_info(args, spec, plan)
     # This rank keeps only its own stage's layers (engine.stage): drop the model-wide list so that the
     # other stages' layers are freed (issue 10, item 3).
     spec.layers = []
     # Resume, checkpoints, signals and non-finite checks at step boundaries (supervisor.py, checkpoint.py).
-    supervisor = Supervisor(args, engine, comm, info)
+    supervisor = Supervisor(args, engine, comm, info, signals)
     start = supervisor.start()
+    pipe.step_count = start
     every = args.log_every or max(1, args.steps // 10)
     last_reported = start
     first_report: tuple[int, float] | None = None  # (step, time) of the first report: steady state after it
@@ -70,17 +79,17 @@ def run(args: argparse.Namespace, spec: ModelSpec, plan: Plan, comm: Any) -> int
         step = k + 1
         monitor.end_step(k)
         if step % every == 0 or step == args.steps:
-            loss = engine.take_loss((step - last_reported) * m)
+            loss = pipe.take_loss(step - last_reported)
             last_reported = step
             if first_report is None:
                 first_report = (step, time.perf_counter())
-            monitor.report(step, loss, lr=engine.optimizer.param_groups[0]["lr"])
+            monitor.report(step, loss, lr=pipe.optimizer.param_groups[0]["lr"])
         supervisor.after_step(step)
 
     monitor.start(start)
     if engine.flush:
         for k in range(start, args.steps):
-            engine.train_step(k)
+            pipe.step(loss=False)  # the loss is read at reports only: no device sync per step
             report(k)
     else:  # segments that fill and drain the pipeline; checkpoints and stops at their ends (stash.py)
         for first, count in supervisor.segments(start):
@@ -89,8 +98,7 @@ def run(args: argparse.Namespace, spec: ModelSpec, plan: Plan, comm: Any) -> int
                 for k in range(first + n * per // m, first + (n + 1) * per // m):
                     report(k)
 
-            engine.begin_segment(first, count)
-            engine.run(engine.actions, on_step=on_step)
+            pipe.run_segment(first, count, on_step)
             supervisor.after_segment(first + count)
     supervisor.close()
     monitor.close()
@@ -103,7 +111,7 @@ def run(args: argparse.Namespace, spec: ModelSpec, plan: Plan, comm: Any) -> int
         peaks = comm.gather(torch.cuda.max_memory_allocated(world.device), root=0)
         if world.rank == 0:
             log.info("peak GPU memory per rank (GiB): %s", [round(p / 2**30, 2) for p in peaks])
-    save_error = save_model(engine, args.save, comm, args.checkpoint_dir) if args.save else None
+    save_error = save_model(pipe, args.save, comm, args.checkpoint_dir) if args.save else None
     comm.Barrier()
     # NCCL may hang at interpreter exit when its process group is left for the destructor.
     shutdown()
@@ -114,17 +122,11 @@ def run(args: argparse.Namespace, spec: ModelSpec, plan: Plan, comm: Any) -> int
     return 0
 
 
-def save_model(engine: Any, path: str, comm: Any, checkpoint_dir: str | None = None) -> str | None:
-    """One state_dict with nn.Sequential(*spec.layers)'s keys, gathered on rank 0 from each stage's replica 0.
+def save_model(pipe: Pipeline, path: str, comm: Any, checkpoint_dir: str | None = None) -> str | None:
+    """One state_dict with nn.Sequential(*spec.layers)'s keys, gathered on rank 0 (Pipeline.state_dict).
     Collective; returns None, or on every rank the line saying that --save failed and where the weights went."""
     from pipeflow.outputs import write_model
 
-    mine = (engine.stage.start, engine.state_dict()) if engine.r == 0 else None
-    parts = comm.gather(mine, root=0)
-    error = None
-    if comm.Get_rank() == 0:
-        full: dict[str, torch.Tensor] = {}
-        for _, part in sorted((p for p in parts if p is not None), key=lambda p: p[0]):
-            full.update(part)
-        error = write_model(full, path, checkpoint_dir)
+    full = pipe.state_dict()
+    error = write_model(full, path, checkpoint_dir) if full is not None else None
     return comm.bcast(error, root=0)

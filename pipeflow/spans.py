@@ -11,8 +11,6 @@ from typing import Any
 
 import torch
 
-from pipeflow.hooks import Timer
-
 COMPUTE = ("F", "B")  # what counts as work in the bubble; everything else is waiting or overhead
 CATEGORY = {"F": "compute", "B": "compute", "STEP": "optimizer", "SEND_F": "comm", "SEND_B": "comm",
             "WAIT_F": "comm", "WAIT_B": "comm"}
@@ -29,9 +27,10 @@ class Span:
     end: float
 
 
-class SpanTimer(Timer):
-    """Records every span of the engine. On CPU, host perf_counter; on CUDA, a pair of events on the current
-    stream, turned into times only in `resolve` (at report time), so the steady state never syncs the host."""
+class SpanTimer:
+    """Records every span of the engine (a hooks.Timing). On CPU, host perf_counter; on CUDA, a pair of
+    events on the current stream, turned into times only in `resolve` (at report time), so the steady state
+    never syncs the host."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"

@@ -8,28 +8,42 @@ from typing import Any
 
 import numpy as np
 
+from pipeflow.config import TrainConfig
 from pipeflow.failure import EXIT_NONFINITE, AgreedError, StopTraining, agree
 from pipeflow.guard import StepGuard
+from pipeflow.hooks import GateFactory
 from pipeflow.signals import SignalStop
 
 log = logging.getLogger("pipeflow.failure")  # the name these lines had before failure.py was split: log lines unchanged
 
 
-class Supervisor:
-    """Glue between the step loop and the above: resume, checkpoints every K steps, stops at boundaries."""
+def step_guard(args: TrainConfig, comm: Any, signals: SignalStop) -> GateFactory:
+    """The engine's step gate (its constructor's `step_gate`): a StepGuard of --skip-nonfinite/--max-skips
+    that agrees on skips and on the stops `signals` records."""
+    def make(engine: Any) -> StepGuard:
+        return StepGuard(engine, comm, signals, skip_nonfinite=args.skip_nonfinite, agree_every_step=engine.flush,
+                         max_skips=args.max_skips)
+    return make
 
-    def __init__(self, args: Any, engine: Any, comm: Any, run_info: dict[str, Any]) -> None:
+
+class Supervisor:
+    """Glue between the step loop and the above: resume, checkpoints every K steps, stops at boundaries.
+    `engine` was built with step_gate=step_guard(args, comm, signals): its StepGuard is the one it reads."""
+
+    def __init__(self, args: TrainConfig, engine: Any, comm: Any, run_info: dict[str, Any],
+                 signals: SignalStop) -> None:
         self.args, self.engine, self.comm, self.run_info = args, engine, comm, run_info
-        self.signals = SignalStop()
-        self.guard = StepGuard(engine, comm, self.signals, skip_nonfinite=args.skip_nonfinite,
-                               agree_every_step=engine.flush, max_skips=getattr(args, "max_skips", 0))
+        self.signals = signals
+        if not isinstance(engine.step_gate, StepGuard):
+            raise TypeError("Supervisor: build the engine with step_gate=step_guard(args, comm, signals)")
+        self.guard: StepGuard = engine.step_gate
         self.saved_step = -1
         self.saved: Path | None = None
         self.done = 0  # steps finished on this rank
         self.immediate: Any = None  # interrupt.ImmediateStop
 
     def start(self) -> int:
-        """Resume if asked (every rank agrees on the outcome); install the guard and signal handlers.
+        """Resume if asked (every rank agrees on the outcome); install the signal handlers.
         Returns the number of steps already done."""
         from pipeflow import checkpoint, restore
         from pipeflow.resume import choose
@@ -57,7 +71,6 @@ class Supervisor:
                                    f"{self.args.steps}; pass --steps above {step} to train on"
                                    + (f" (--save {self.args.save} not written)" if self.args.save else ""), 0)
         self.saved_step = step
-        self.engine.step_guard = self.guard
         # Asynchronous pipelines stop at segment boundaries (after_segment), which exist with --checkpoint-dir;
         # without one the run is one segment and signals end it as usual.
         if self.engine.flush or self.args.checkpoint_dir:
@@ -121,6 +134,7 @@ class Supervisor:
         """Collective save; a failed one (disk full, directory gone) ends the run on every rank with its one line."""
         from pipeflow import checkpoint
 
+        assert self.args.checkpoint_dir is not None  # called only with --checkpoint-dir
         try:
             self.saved = checkpoint.save(self.engine, self.args.checkpoint_dir, step, self.comm, self.run_info)
         except checkpoint.CheckpointError as e:
@@ -133,4 +147,3 @@ class Supervisor:
         self.signals.restore()
         if self.immediate is not None:
             self.immediate.restore()
-        self.engine.step_guard = None

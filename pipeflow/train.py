@@ -25,7 +25,7 @@ from pipeflow.failure import UsageError
 from pipeflow.outputs import prepare_outputs, release_checkpoint_lock
 from pipeflow.planning import check_ties, make_plan
 from pipeflow.runner import DTYPES, run
-from pipeflow.schedule import SCHEDULES, ScheduleError, schedule_kind
+from pipeflow.schedule import SCHEDULES, ScheduleError
 from pipeflow.spec import ModelError, build_model, parse_model_args
 
 log = logging.getLogger("pipeflow")
@@ -96,25 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_args(args: argparse.Namespace) -> None:
-    config.check_args(args, os.environ)
-    for name in ("steps", "microbatch_size"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, found {getattr(args, name)}")
-    if args.microbatches is not None and args.microbatches < 1:
-        raise UsageError(f"--microbatches must be >= 1, found {args.microbatches}")
-    if args.schedule is not None and args.schedule not in SCHEDULES:
-        raise UsageError(f"unknown schedule {args.schedule!r}: expected one of {', '.join(SCHEDULES)}")
-    if getattr(args, "vertical_sync", False) and args.schedule and not schedule_kind(args.schedule).vertical_sync:
-        raise UsageError(f"--vertical-sync needs --schedule async, found {args.schedule}")
-    if args.timeout <= 0:
-        raise UsageError(f"--timeout must be > 0 seconds, found {args.timeout}")
-    if args.warmup not in ("min", "fill") and not all(x.strip().isdigit() for x in args.warmup.split(",")):
-        raise UsageError(f"--warmup must be min, fill or comma-separated counts like 9,6,3,0, found {args.warmup!r}")
-    if args.checkpoint_every < 0:
-        raise UsageError(f"--checkpoint-every must be >= 0 steps, found {args.checkpoint_every}")
-    if args.checkpoint_every and not args.checkpoint_dir:
-        raise UsageError("--checkpoint-every needs --checkpoint-dir (where to write the checkpoints)")
+def check_args(args: argparse.Namespace) -> config.TrainConfig:
+    """The parsed flags as the validated TrainConfig the runtime reads (config.py); ValueError in one line."""
+    return config.TrainConfig.from_flags(vars(args), os.environ)
 
 
 def setup_logging(rank: int, size: int) -> None:
@@ -218,11 +202,11 @@ def _main(args: argparse.Namespace, comm: Any, watchdog: Any) -> int:
     # shares them, so that none waits for the others, and rank 0 reports an error they all found.
     error: str | None = None
     try:
-        check_args(args)
-        prepare_outputs(args, rank)  # every output path writable; rank 0 locks --checkpoint-dir until it exits
-        spec = build_model(args.model, parse_model_args(args.model_args), seed=args.seed)
-        plan = make_plan(args, spec, size, rank, comm)
-        list_size = config.check_plan(plan, args, SCHEDULES)
+        cfg = check_args(args)  # from here on the runtime reads this, not the namespace
+        prepare_outputs(cfg, rank)  # every output path writable; rank 0 locks --checkpoint-dir until it exits
+        spec = build_model(cfg.model, parse_model_args(cfg.model_args), seed=cfg.seed)
+        plan = make_plan(cfg, spec, size, rank, comm)
+        list_size = config.check_plan(plan, cfg, SCHEDULES)
         check_ties(spec, plan)
     except (UsageError, PlanError, ModelError, ScheduleError, ValueError) as e:
         error = str(e)
@@ -234,7 +218,7 @@ def _main(args: argparse.Namespace, comm: Any, watchdog: Any) -> int:
         log.info("building the %s action lists of %d microbatches on every rank (up to minutes for 10^6)",
                  plan.schedule, list_size)
     try:
-        return run(args, spec, plan, comm)
+        return run(cfg, spec, plan, comm)
     except StopTraining as e:  # every rank stopped at the same step boundary
         if rank == 0:
             say(f"pipeflow-train: {e}")

@@ -1,0 +1,197 @@
+"""pipeflow's Python API: a pipeline built from your own layers and loss, stepped from your own loop
+(torch.distributed.pipelining's `schedule.step(x, target=y)` is the model); `pipeflow-train` is a thin
+wrapper over it (runner.py). Run the script under MPI, every rank the same code (docs/api.md):
+
+    pipe = pipeflow.Pipeline(layers, loss_fn, plan="plan.json", schedule="1f1b", microbatches=4,
+                             optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    for x, y in batches:                  # the same minibatch on every rank
+        loss = pipe.step(x, target=y)     # a float on the rank that owns the loss, None elsewhere
+    state = pipe.state_dict()             # the whole model on rank 0 (nn.Sequential(*layers)'s keys)
+    pipe.close()
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from partitioner.plan import Plan, PlanError, even_plan
+from pipeflow.hooks import Feed, GateFactory, Timing
+from pipeflow.spec import ModelSpec
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+class BatchFeed:
+    """The engine's data source for Pipeline.step(x, target): microbatch j of the minibatch given last,
+    the rows [i*b, (i+1)*b) of every tensor of it, i = j - step*m (the global index pipeflow-train's
+    MicrobatchLoader uses, so that both give the engine the same microbatches)."""
+
+    def __init__(self, microbatches: int) -> None:
+        self.m = microbatches
+        self.first = 0  # global index of the current minibatch's microbatch 0
+        self.parts: list[tuple[Any, Any]] = []
+
+    def set(self, step: int, x: Any, target: Any) -> None:
+        leaves, spec = tree_flatten(x)
+        if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+            raise TypeError(f"Pipeline.step: x must be a tensor or a tuple/list of tensors, found {type(x).__name__}")
+        size = leaves[0].shape[0] if leaves[0].dim() else 0
+        if size < 1 or size % self.m or any(t.dim() == 0 or t.shape[0] != size for t in leaves):
+            raise ValueError(f"Pipeline.step: the minibatch must split into {self.m} microbatches of equal size "
+                             f"along dimension 0; found shapes {[tuple(t.shape) for t in leaves]}")
+        if target is not None and (not isinstance(target, torch.Tensor) or target.dim() == 0
+                                   or target.shape[0] != size):
+            found = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
+            raise ValueError(f"Pipeline.step: target must be a tensor of {size} rows (one per sample of x), "
+                             f"found {found}")
+        b = size // self.m
+        xs = [tree_unflatten([t[i * b:(i + 1) * b] for t in leaves], spec) for i in range(self.m)]
+        ys = [target[i * b:(i + 1) * b] if target is not None else None for i in range(self.m)]
+        self.first, self.parts = step * self.m, list(zip(xs, ys))
+
+    def microbatch(self, j: int) -> tuple[Any, Any]:
+        return self.parts[j - self.first]
+
+    def signature(self, j: int) -> tuple[tuple[int, ...], ...]:
+        """The shapes of microbatch j's input tensors (every rank has them: no exchange unless they change)."""
+        return tuple(tuple(t.shape) for t in tree_flatten(self.microbatch(j)[0])[0])
+
+
+class Pipeline:
+    """One rank's part of a pipeline-parallel model: build it on every rank of an MPI job with the same
+    arguments; each rank keeps only its stage's layers (and their optimizer).
+
+    `layers`: the model as a list of modules, layer i's output layer i+1's input; `loss_fn(output, target)`
+    the last stage's loss (a mean over the microbatch's samples). `plan`: a partitioner.plan.Plan or the
+    path of a plan.json (pipeflow-plan), or None: the layers split evenly over one stage per rank.
+    `schedule` and `microbatches` override the plan's (default 1f1b and 8 without a plan). `optimizer`
+    makes a rank's optimizer from its parameters. `warmup`: 1f1b's forwards before the first backward per
+    stage (None: the schedule's minimum). The keyword arguments after `vertical_sync` are pipeflow-train's
+    (its world, data, monitor, non-finite guard and segments).
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], *,
+                 optimizer: OptimizerFactory, plan: Plan | str | None = None, schedule: str | None = None,
+                 microbatches: int | None = None, dtype: torch.dtype | None = None, device: str = "auto",
+                 seed: int = 0, timeout: float = 300.0, warmup: list[int] | None = None,
+                 vertical_sync: bool = False, world: Any = None, data: Feed | None = None,
+                 timer: Timing | None = None, step_gate: GateFactory | None = None, total_steps: int = 1,
+                 segment_steps: int | None = None) -> None:
+        from pipeflow.comm import init_world
+        from pipeflow.engine import Engine
+        from pipeflow.planning import check_ties
+
+        if microbatches is not None and microbatches < 1:
+            raise ValueError(f"Pipeline: microbatches must be >= 1, found {microbatches}")
+        spec = ModelSpec(list(layers), loss_fn, dataset=[])  # type: ignore[arg-type]  # data come by step()
+        self.world = world if world is not None else init_world(device=device, timeout_s=timeout)
+        self.plan = _resolve_plan(plan, len(spec.layers), self.world.size, schedule, microbatches)
+        check_ties(spec, self.plan)
+        self.m = self.plan.microbatches
+        self.feed = BatchFeed(self.m) if data is None else None
+        loader = data if data is not None else self.feed
+        assert loader is not None
+        self.engine = Engine(self.world, self.plan, spec, schedule=self.plan.schedule, optimizer_factory=optimizer,
+                             loader=loader, dtype=dtype, total_steps=total_steps, timer=timer,
+                             vertical_sync=vertical_sync, warmup=warmup, segment_steps=segment_steps, seed=seed,
+                             step_gate=step_gate)
+        self.step_count = 0  # minibatches trained: the next step's data index (a resumed run sets it)
+        self.unread = 0      # minibatches whose losses take_loss has not read yet
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """This rank's optimizer (of its stage's parameters)."""
+        return self.engine.optimizer
+
+    @property
+    def owns_loss(self) -> bool:
+        """Whether step() returns the loss on this rank (the last stage's first replica)."""
+        return bool(self.engine.owns_loss)
+
+    def step(self, x: Any = None, target: torch.Tensor | None = None, *, loss: bool = True) -> float | None:
+        """Train one minibatch: split `x` (a tensor or a tuple of tensors, samples along dimension 0) and
+        `target` into the plan's microbatches, run the schedule, apply the optimizer step. Call it on every
+        rank with the same minibatch (the first stage reads x, the last the target, the others x's shapes).
+        Returns the minibatch's mean loss on the rank that owns it, None elsewhere; `loss=False` skips
+        reading it (no device sync; the next read averages over the minibatches since the last one)."""
+        if self.feed is not None:
+            if x is None:
+                raise ValueError("Pipeline.step needs the minibatch: step(x, target=y) on every rank")
+            if target is None and self.engine.stage.last:
+                raise ValueError("Pipeline.step needs target= on the last stage's ranks (the loss's input)")
+            self.feed.set(self.step_count, x, target)
+        elif x is not None or target is not None:
+            raise ValueError("this Pipeline reads its data from the loader it was built with; call step()")
+        if self.engine.flush:
+            self.engine.train_step(self.step_count)
+        else:  # an asynchronous schedule: a segment of one minibatch, which fills and drains (stash.py)
+            self.engine.begin_segment(self.step_count, 1)
+            self.engine.run(self.engine.actions)
+        self.step_count += 1
+        self.unread += 1
+        return self.take_loss() if loss else None
+
+    def run_segment(self, first: int, steps: int, on_step: Callable[[int], None] | None = None) -> None:
+        """Asynchronous schedules, data from the loader: minibatches [first, first + steps) as one action
+        list; `on_step(n)` after its n-th optimizer step (pipeflow-train's checkpoints cut segments)."""
+        self.engine.begin_segment(first, steps)
+        self.engine.run(self.engine.actions, on_step=on_step)
+        self.step_count = first + steps
+        self.unread += steps
+
+    def take_loss(self, minibatches: int | None = None) -> float | None:
+        """The mean loss of the microbatches run since the last read (`minibatches` of them: default, all
+        since then), on the rank that owns the loss; None elsewhere. Collective over the last stage's replicas."""
+        count = self.unread if minibatches is None else minibatches
+        self.unread = 0
+        return self.engine.take_loss(max(1, count) * self.m)
+
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights with nn.Sequential(*layers)'s keys, gathered on rank 0 from each
+        stage's first replica (None on the other ranks). Collective: call it on every rank."""
+        mine = (self.engine.stage.start, self.engine.state_dict()) if self.engine.r == 0 else None
+        parts = self.world.mpi.gather(mine, root=0)
+        if self.world.rank != 0:
+            return None
+        full: dict[str, torch.Tensor] = {}
+        for _, part in sorted((p for p in parts if p is not None), key=lambda p: p[0]):
+            full.update(part)
+        return full
+
+    def close(self) -> None:
+        """Tear down the process groups (NCCL may hang at exit when they are left to the destructor)."""
+        from pipeflow.comm import shutdown
+
+        shutdown()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _resolve_plan(plan: Plan | str | None, num_layers: int, world_size: int, schedule: str | None,
+                  microbatches: int | None) -> Plan:
+    """The plan given (loaded from its path), with `schedule` and `microbatches` overriding its own; or an
+    even split over one stage per rank. Checked against the layers and the world (PlanError in one line)."""
+    if plan is None:
+        return even_plan(num_layers, world_size, schedule=schedule or "1f1b", microbatches=microbatches or 8)
+    if isinstance(plan, str):
+        plan = Plan.load(plan)
+    elif isinstance(plan, Plan):  # a copy: the overrides below must not change the caller's
+        plan = Plan.from_json(plan.to_json(), source="the plan given to Pipeline")
+    else:
+        raise PlanError(f"Pipeline: plan must be a Plan, the path of a plan.json or None, found "
+                        f"{type(plan).__name__}")
+    plan.validate(num_layers=num_layers, world_size=world_size)
+    if microbatches is not None:
+        plan.microbatches = microbatches
+    if schedule is not None:
+        plan.schedule = schedule
+        plan.validate()
+    return plan
