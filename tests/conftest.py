@@ -120,6 +120,9 @@ class Case:
     # "module:function" and its JSON arguments, called once (rank 0) before the case runs: files a case
     # needs that an earlier case of the list writes (a copy of a checkpoint to damage, say).
     before: tuple[str, list[Any]] | None = None
+    # What the ranks run: "module:function" called with `args` (returning the exit code); the module run
+    # as a script (`python -m module args`) when not batched. Default: pipeflow-train itself.
+    main: str = "pipeflow.train:main"
 
 
 def call_before(before: tuple[str, list[Any]] | list[Any] | None) -> None:
@@ -259,7 +262,8 @@ class Batches:
             for s in todo:
                 call_before(s.case.before)
                 t0 = time.monotonic()
-                s.proc = run_mpi(n, s.case.args, timeout=s.case.timeout, check=False, env=s.case.env)
+                s.proc = run_mpi(n, s.case.args, timeout=s.case.timeout, check=False, env=s.case.env,
+                                 module=s.case.main.partition(":")[0])
                 s.seconds = time.monotonic() - t0
                 self.launches.append((n, 1, s.seconds))
             return
@@ -271,7 +275,8 @@ class Batches:
     def _launch(self, n: int, todo: list[_Step], path: Path) -> list[_Step]:
         """One mpirun for `todo`; returns the cases after the first that did not finish (to run again)."""
         path.write_text(json.dumps([{"id": s.key, "args": s.case.args, "env": s.case.env, "timeout": s.case.timeout,
-                                     "out": str(s.out), "before": s.case.before} for s in todo], indent=1))
+                                     "out": str(s.out), "before": s.case.before, "main": s.case.main}
+                                    for s in todo], indent=1))
         cmd = [_mpirun(), "-np", str(n), sys.executable, "-m", "tests.mpi_batch", str(path)]
         limit = BATCH_STARTUP_S + sum(s.case.timeout for s in todo)
         t0 = time.monotonic()

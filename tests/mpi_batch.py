@@ -30,9 +30,12 @@ from typing import Any
 
 
 def run_case(case: dict[str, Any], rank: int) -> int:
-    """pipeflow.train.main(case["args"]) with this rank's output in the case's files; its exit code."""
-    from pipeflow import train
+    """pipeflow.train.main(case["args"]) (or the case's own "main", "module:function") with this rank's
+    output in the case's files; its exit code."""
+    import importlib
 
+    module, _, name = (case.get("main") or "pipeflow.train:main").partition(":")
+    entry = getattr(importlib.import_module(module), name)
     out = Path(case["out"])
     out.mkdir(parents=True, exist_ok=True)
     saved_env = {k: os.environ.get(k) for k in case["env"]}
@@ -46,7 +49,7 @@ def run_case(case: dict[str, Any], rank: int) -> int:
         # A hung case dumps every thread's stack into its .err and ends the job (mpirun sees a rank exit).
         faulthandler.dump_traceback_later(case["timeout"], exit=True)
         try:
-            code = train.main(case["args"])
+            code = entry(case["args"])
         except SystemExit as e:  # argparse's usage errors
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         except BaseException:

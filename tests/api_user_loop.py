@@ -1,0 +1,66 @@
+"""A user's own training loop over pipeflow.Pipeline, as docs/api.md shows it: run under MPI by
+tests/test_api.py (batched: `main(argv)`; or `mpirun -np N python -m tests.api_user_loop OUT SCHEDULE M
+[PLAN]`). Writes OUT/losses-rank<R>.json (what step returned on each rank) and, on rank 0, OUT/model.pt.
+
+The model, data and optimizer are `reference()`'s, the single-process training it must equal (float64).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeflow.models import mlp
+
+STEPS, BATCH, LR = 3, 8, 0.1
+
+
+def model() -> list[nn.Module]:
+    """The same float64 layers on every rank (and in the reference): the mlp, whose layers pass tuples."""
+    torch.manual_seed(0)
+    return [layer.double() for layer in mlp.build(layers=4, d_in=4, hidden=8, samples=16).layers]
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 4, generator=g, dtype=torch.float64), torch.randint(0, 10, (BATCH,), generator=g))
+            for _ in range(STEPS)]
+
+
+def reference() -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Single-process training: the whole minibatch's mean loss, one SGD step per minibatch."""
+    net = nn.Sequential(*model())
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    losses = []
+    for x, y in batches():
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {k: v.detach() for k, v in net.state_dict().items()}, losses
+
+
+def main(argv: list[str]) -> int:
+    import pipeflow
+
+    out, schedule, m = Path(argv[0]), argv[1], int(argv[2])
+    plan = argv[3] if len(argv) > 3 else None
+    with pipeflow.Pipeline(model(), F.cross_entropy, plan=plan, schedule=schedule, microbatches=m, device="cpu",
+                           optimizer=lambda params: torch.optim.SGD(params, lr=LR)) as pipe:
+        losses = [pipe.step(x, target=y) for x, y in batches()]
+        state = pipe.state_dict()
+        rank = pipe.world.rank
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"losses-rank{rank}.json").write_text(json.dumps(losses))
+    if state is not None:
+        torch.save(state, out / "model.pt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

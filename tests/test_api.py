@@ -1,0 +1,82 @@
+"""The Python API (pipeflow/api.py): a user's own loop over Pipeline.step equals single-process training
+(float64), on -np 2 and on -np 3 with replicated stages; its usage errors are one line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeflow.api import BatchFeed, Pipeline
+from tests import api_user_loop
+from tests.conftest import Case, MpiRun, batched, write_plan
+
+# (name, -np, schedule, plan stages as (layers, replicas) or None for Pipeline's even split, loss owner rank)
+SETUPS = [("straight", 2, "1f1b", None, 1),
+          ("first-replicated", 3, "gpipe", [(2, 2), (2, 1)], 2),
+          ("last-replicated", 3, "1f1b", [(2, 1), (2, 2)], 1)]
+
+
+def user_loop(d: Path, name: str) -> Case:
+    _, np, schedule, stages, _ = next(s for s in SETUPS if s[0] == name)
+    args = [str(d / "out"), schedule, "4"]
+    if stages is not None:
+        write_plan(d / "plan.json", schedule, 4, stages)
+        args.append(str(d / "plan.json"))
+    return Case(np, args, main="tests.api_user_loop:main")
+
+
+@pytest.mark.parametrize("name", [s[0] for s in SETUPS])
+@batched(user_loop)
+def test_user_loop_over_pipeline_step_equals_single_process_training(mpi: MpiRun, name: str) -> None:
+    _, np, _, _, owner = next(s for s in SETUPS if s[0] == name)
+    want, want_losses = api_user_loop.reference()
+    got = torch.load(mpi.dir / "out" / "model.pt", weights_only=True)
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], msg=f"{name}: {k}")
+    for rank in range(np):
+        losses = json.loads((mpi.dir / "out" / f"losses-rank{rank}.json").read_text())
+        if rank == owner:  # the minibatch's mean loss, as the single process computes it
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses))
+        else:
+            assert losses == [None] * api_user_loop.STEPS, f"rank {rank}"
+
+
+def test_batch_feed_splits_a_minibatch_of_tuples_into_equal_microbatches() -> None:
+    feed = BatchFeed(2)
+    x = (torch.arange(8.0).reshape(4, 2), torch.arange(4))
+    y = torch.tensor([0, 1, 2, 3])
+    feed.set(3, x, y)  # step 3: global microbatches 6 and 7
+    (x1, y1) = feed.microbatch(7)
+    assert torch.equal(x1[0], x[0][2:]) and torch.equal(x1[1], x[1][2:]) and torch.equal(y1, y[2:])
+    assert feed.signature(6) == ((2, 2), (2,))
+    with pytest.raises(ValueError, match=r"^Pipeline.step: the minibatch must split into 2 microbatches of equal "
+                                         r"size along dimension 0; found shapes \[\(3, 2\)\]$"):
+        feed.set(0, torch.zeros(3, 2), None)
+    with pytest.raises(ValueError, match=r"^Pipeline.step: target must be a tensor of 4 rows \(one per sample of "
+                                         r"x\), found \(3,\)$"):
+        feed.set(0, torch.zeros(4, 2), torch.zeros(3))
+
+
+def test_pipeline_in_one_process_and_its_usage_errors() -> None:
+    """A world of one (no mpirun): one stage; step needs the minibatch and its target."""
+    want, want_losses = api_user_loop.reference()
+    with Pipeline(api_user_loop.model(), F.cross_entropy, schedule="gpipe", microbatches=2, device="cpu",
+                  optimizer=lambda p: torch.optim.SGD(p, lr=api_user_loop.LR)) as pipe:
+        with pytest.raises(ValueError, match=r"^Pipeline.step needs the minibatch: step\(x, target=y\) on every "
+                                             r"rank$"):
+            pipe.step()
+        with pytest.raises(ValueError, match=r"^Pipeline.step needs target= on the last stage's ranks"):
+            pipe.step(torch.zeros(4, 4, dtype=torch.float64))
+        losses = [pipe.step(x, target=y) for x, y in api_user_loop.batches()]
+        got = pipe.state_dict()
+    assert got is not None
+    for k in want:
+        torch.testing.assert_close(got[k], want[k])
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses))
+    with pytest.raises(ValueError, match=r"^plan.schedule must be one of gpipe, 1f1b, async, 2bw, found 'zigzag'$"):
+        Pipeline(api_user_loop.model(), F.cross_entropy, schedule="zigzag", device="cpu",
+                 optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
