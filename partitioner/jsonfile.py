@@ -1,13 +1,17 @@
 """JSON files (profile.json, plan.json, a checkpoint's COMPLETE marker): one reader with one clear error for an
-unreadable, non-text or non-JSON file, and one atomic writer, so that a reader sees the old file or the whole new
-one, never a part (a crash or a full disk mid-write leaves the old file)."""
+unreadable, non-text or non-JSON file, one validator of an object's fields against a table (check_fields), and
+one atomic writer, so that a reader sees the old file or the whole new one, never a part (a crash or a full disk
+mid-write leaves the old file)."""
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import IO, Any
+
+# What a field must hold: a type (or types; a JSON true/false is never an int), a predicate, or None: anything.
+Field = type | tuple[type, ...] | Callable[[Any], bool] | None
 
 
 def load_json(path: str | Path) -> Any:
@@ -28,6 +32,45 @@ def read_json(path: str | Path, what: str, error: type[ValueError]) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise error(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def _accepts(rule: Field, value: Any) -> bool:
+    if rule is None:
+        return True
+    if isinstance(rule, (type, tuple)):
+        return isinstance(value, rule) and not isinstance(value, bool)
+    return bool(rule(value))
+
+
+def field_problem(d: Mapping[str, Any], fields: Mapping[str, Field], *, optional: Collection[str] = (),
+                  show: Callable[[Any], str] = repr) -> str | None:
+    """The first field of `d` that breaks the table `fields`, as "missing field 'k'" or "field 'k' must be
+    int, found 'x'" (`show` writes the value), or None when all hold; `optional` fields may be absent."""
+    for key, rule in fields.items():
+        if key not in d:
+            if key in optional:
+                continue
+            return f"missing field {key!r}"
+        if not _accepts(rule, d[key]):
+            name = (rule.__name__ if isinstance(rule, type) else "/".join(t.__name__ for t in rule)
+                    if isinstance(rule, tuple) else "valid")
+            return f"field {key!r} must be {name}, found {show(d[key])}"
+    return None
+
+
+def check_fields(d: Any, fields: Mapping[str, Field], *, source: str, error: type[ValueError],
+                 format: str | None = None, show: Callable[[Any], str] = repr) -> dict[str, Any]:
+    """`d` as a JSON object whose "format" is `format` (when given) and whose fields hold the table `fields`;
+    otherwise `error` with one line: "{source}: expected a JSON object, found list", "{source}: format is
+    'x', expected 'pipeflow.plan/1'", "{source}: missing field 'k'", "{source}: field 'k' must be int, found 'x'"."""
+    if not isinstance(d, dict):
+        raise error(f"{source}: expected a JSON object, found {type(d).__name__}")
+    if format is not None and d.get("format") != format:
+        raise error(f"{source}: format is {show(d.get('format'))}, expected {format!r}")
+    problem = field_problem(d, fields, show=show)
+    if problem is not None:
+        raise error(f"{source}: {problem}")
+    return d
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from partitioner.jsonfile import read_json, write_json
+from partitioner.jsonfile import check_fields, read_json, write_json
 from pipeflow.schedule import SCHEDULES
 
 PLAN_FORMAT = "pipeflow.plan/1"
@@ -96,15 +96,8 @@ class Plan:
 
     @classmethod
     def from_json(cls, d: Any, *, source: str = "plan") -> Plan:
-        if not isinstance(d, dict):
-            raise PlanError(f"{source}: expected a JSON object, found {type(d).__name__}")
-        if d.get("format") != PLAN_FORMAT:
-            raise PlanError(f"{source}: format is {d.get('format')!r}, expected {PLAN_FORMAT!r}")
-        for key, typ in (("schedule", str), ("microbatches", int), ("workers", int), ("stages", list)):
-            if key not in d:
-                raise PlanError(f"{source}: missing field {key!r}")
-            if not isinstance(d[key], typ) or isinstance(d[key], bool):
-                raise PlanError(f"{source}: field {key!r} must be {typ.__name__}, found {d[key]!r}")
+        d = check_fields(d, {"schedule": str, "microbatches": int, "workers": int, "stages": list}, source=source,
+                         error=PlanError, format=PLAN_FORMAT)
         stages = []
         for s, st in enumerate(d["stages"]):
             where = f"{source}: stages[{s}]"

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from partitioner.jsonfile import read_json, write_json
+from partitioner.jsonfile import check_fields, field_problem, read_json, write_json
 
 PROFILE_FORMAT = "pipeflow.profile/1"
 LAYER_NUMBERS = ("forward_ms", "backward_ms", "output_bytes", "activation_bytes", "parameter_bytes")
@@ -127,13 +127,8 @@ class Profile:
 
     @classmethod
     def from_json(cls, d: Any, *, source: str = "profile") -> Profile:
-        if not isinstance(d, dict):
-            raise ProfileError(f"{source}: expected a JSON object, found {type(d).__name__}")
-        if d.get("format") != PROFILE_FORMAT:
-            raise ProfileError(f"{source}: format is {_show(d.get('format'))}, expected {PROFILE_FORMAT!r}")
-        for key in ("model", "device", "dtype", "microbatch_size", "layers"):
-            if key not in d:
-                raise ProfileError(f"{source}: missing field {key!r}")
+        d = check_fields(d, dict.fromkeys(("model", "device", "dtype", "microbatch_size", "layers")), source=source,
+                         error=ProfileError, format=PROFILE_FORMAT, show=_show)
         if not isinstance(d["layers"], list):
             raise ProfileError(f"{source}: layers must be a list, found {_show(d['layers'])}")
         layers = []
@@ -141,9 +136,9 @@ class Profile:
             where = f"{source}: layers[{i}]"
             if not isinstance(entry, dict):
                 raise ProfileError(f"{where} must be an object, found {_show(entry)}")
-            for key in ("name", *LAYER_NUMBERS):
-                if key not in entry:
-                    raise ProfileError(f"{where}: missing field {key!r}")
+            problem = field_problem(entry, dict.fromkeys(("name", *LAYER_NUMBERS)))
+            if problem is not None:
+                raise ProfileError(f"{where}: {problem}")
             layer = LayerProfile(**{k: entry[k] for k in ("name", *LAYER_NUMBERS, *OPTIONAL_LAYER_NUMBERS)
                                     if k in entry})
             layer.check(where)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from partitioner.jsonfile import load_json
+from partitioner.jsonfile import Field, field_problem, load_json
 from pipeflow.checkpoint import (
     _STEP_RE,
     CKPT_FORMAT,
@@ -104,12 +104,9 @@ def read_marker(d: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: cannot read the checkpoint marker ({e}); expected JSON written by "
                               "pipeflow-train") from None
-    ok = (isinstance(marker, dict) and marker.get("format") == CKPT_FORMAT
-          and isinstance(marker.get("step"), int) and isinstance(marker.get("run"), dict)
-          and isinstance(marker.get("stages"), list) and marker["stages"]
-          and all(isinstance(s, dict) and isinstance(s.get("file"), str) and "/" not in s["file"]
-                  and _is_range(s.get("layers")) and isinstance(s.get("bytes", 0), int)
-                  and isinstance(s.get("sha256", ""), str) for s in marker["stages"]))
+    ok = (isinstance(marker, dict) and field_problem(marker, MARKER_FIELDS) is None and marker["stages"]
+          and all(isinstance(s, dict) and field_problem(s, MARKER_STAGE_FIELDS, optional=("bytes", "sha256")) is None
+                  for s in marker["stages"]))
     if not ok:
         raise CheckpointError(f"{path}: not a {CKPT_FORMAT} marker: expected an object with format, step, run "
                               "and stages [{file, layers: [start, end), bytes, sha256}]")
@@ -119,6 +116,12 @@ def read_marker(d: Path) -> dict[str, Any]:
 def _is_range(x: Any) -> bool:
     return (isinstance(x, list) and len(x) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in x)
             and 0 <= x[0] < x[1])
+
+
+# The COMPLETE marker's fields (checkpoint.save writes them), checked by partitioner.jsonfile's one validator.
+MARKER_FIELDS: dict[str, Field] = {"format": lambda f: f == CKPT_FORMAT, "step": int, "run": dict, "stages": list}
+MARKER_STAGE_FIELDS: dict[str, Field] = {"file": lambda f: isinstance(f, str) and "/" not in f, "layers": _is_range,
+                                         "bytes": int, "sha256": str}
 
 
 # ---------------------------------------------------------------------------------------- reading
