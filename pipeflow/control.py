@@ -1,7 +1,8 @@
 """The control channel: MPI's COMM_WORLD for the runtime's few agreements between ranks (issue 12).
 
-The runtime holds COMM_WORLD (`world_comm`) and calls its plain methods (Get_rank, allgather, bcast,
-gather, Barrier, Abort, isend) itself; what needs names from mpi4py (MAX, ANY_SOURCE, Status, the thread
+`Control` is the channel as one typed object (made from the World's communicator, or COMM_WORLD before the
+World exists): agreement on errors, broadcast, gather, an element-wise maximum, a barrier, the abort, and
+polled messages of one tag (Inbox). What needs names from mpi4py (MAX, ANY_SOURCE, Status, the thread
 level) lives here, so that this module and pipeflow.comm (the point-to-point channels and process groups
 of torch.distributed) are the only ones that import a communication library. Every import of mpi4py is
 lazy: the first one initialises MPI, and pipeflow-train's usage errors come before it.
@@ -17,6 +18,73 @@ import numpy as np
 META_TAG = 71            # comm.P2P: the shapes and dtypes of a channel's tensors, once per input shape
 HEARTBEAT_TAG = 0x7E57   # watchdog: peer heartbeats
 STOP_TAG = 0x7E58        # interrupt: a signalled rank tells the others
+
+
+class Control:
+    """The control channel over one MPI communicator: the collectives every rank calls together, in the
+    same order, and a rank's own abort. Modules written against a plain mpi4py communicator (Get_rank,
+    isend, Dup, ...) may be given a Control: other attributes are the communicator's."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm: Any = comm.comm if isinstance(comm, Control) else comm
+
+    @classmethod
+    def world(cls) -> Control:
+        """COMM_WORLD's channel (MPI is initialised by the first call)."""
+        return cls(world_comm())
+
+    @classmethod
+    def of(cls, world: Any) -> Control:
+        """The channel of a comm.World (its `mpi` communicator)."""
+        return cls(world.mpi)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.comm, name)
+
+    @property
+    def rank(self) -> int:
+        return int(self.comm.Get_rank())
+
+    @property
+    def size(self) -> int:
+        return int(self.comm.Get_size())
+
+    def agree(self, error: str | None) -> str | None:
+        """Share an error that may have happened on some ranks only: every rank gets the first one
+        (prefixed with its rank when it happened elsewhere), or None when all succeeded."""
+        errors = self.allgather(error)
+        if not any(errors):
+            return None
+        first = next(r for r, e in enumerate(errors) if e)
+        return error or f"rank {first}: {errors[first]}"
+
+    def allgather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank."""
+        return list(self.comm.allgather(obj))
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        """`root`'s `obj` on every rank."""
+        return self.comm.bcast(obj, root=root)
+
+    def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
+        """Every rank's `obj` in rank order on `root`; None elsewhere."""
+        got = self.comm.gather(obj, root=root)
+        return list(got) if got is not None else None
+
+    def allreduce_max(self, mine: np.ndarray) -> np.ndarray:
+        """The element-wise maximum of `mine` over every rank."""
+        return allreduce_max(self.comm, mine)
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def abort(self, code: int) -> None:
+        """End every rank of the job with exit code `code` (MPI Abort): for errors the ranks cannot agree on."""
+        self.comm.Abort(code)
+
+    def inbox(self, tag: int) -> Inbox:
+        """The messages of `tag` from any rank, polled without blocking."""
+        return Inbox(self.comm, tag)
 
 
 def world_comm() -> Any:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
 
 EXIT_FAILED = 3         # a peer died or stopped responding
 EXIT_NONFINITE = 4      # a non-finite loss or gradient without --skip-nonfinite
@@ -30,22 +29,12 @@ def say(text: str) -> None:
     os.write(2, (text.rstrip("\n") + "\n").encode())
 
 
-def agree(comm: Any, error: str | None) -> str | None:
-    """Share an error that may have happened on some ranks only: every rank gets the first one
-    (prefixed with its rank when it happened elsewhere), or None when all succeeded."""
-    errors = comm.allgather(error)
-    if not any(errors):
-        return None
-    first = next(r for r, e in enumerate(errors) if e)
-    return error or f"rank {first}: {errors[first]}"
-
-
 class NonFiniteError(RuntimeError):
     """A non-finite update on one rank of an asynchronous schedule, which has no common step boundary."""
 
 
 class AgreedError(Exception):
-    """An error every rank raises together (after `agree`): reported on every rank, exit 2, no Abort."""
+    """An error every rank raises together (after Control.agree): reported on every rank, exit 2, no Abort."""
 
 
 class UsageError(ValueError):

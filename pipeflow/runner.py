@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +15,7 @@ from pipeflow.spec import ModelSpec
 
 if TYPE_CHECKING:
     from pipeflow.api import OptimizerFactory, Pipeline
+    from pipeflow.control import Control
 
 log = logging.getLogger("pipeflow")
 
@@ -31,7 +32,7 @@ def make_optimizer(args: TrainConfig) -> OptimizerFactory:
     return factory
 
 
-def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Any) -> int:
+def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Control) -> int:
     from pipeflow.api import Pipeline
     from pipeflow.checkpoint import run_info
     from pipeflow.comm import init_world, shutdown
@@ -43,8 +44,8 @@ def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Any) -> int:
     world = init_world(device=args.device, timeout_s=args.timeout)
     # mpirun (MPICH's) reports a killed process by its pid and ends the job before any rank can speak:
     # this line is what maps that pid back to a rank.
-    pids = comm.gather((os.uname().nodename, os.getpid()), root=0)
-    if world.rank == 0:
+    pids = comm.gather((os.uname().nodename, os.getpid()))
+    if pids is not None:
         log.info("processes by rank: %s", ", ".join(f"{r}={h}:{p}" for r, (h, p) in enumerate(pids)))
         log.info("plan: %s, %d microbatches of %d, stages %s", plan.schedule, plan.microbatches,
                  args.microbatch_size, [(list(st.layers), st.ranks) for st in plan.stages])
@@ -108,11 +109,11 @@ def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Any) -> int:
         tok = f", {rate * spec.tokens_per_sample:.0f} tokens/s" if spec.tokens_per_sample else ""
         log.info("steady state (steps %d-%d): %.1f samples/s%s", first_report[0] + 1, args.steps, rate, tok)
     if world.device.type == "cuda":
-        peaks = comm.gather(torch.cuda.max_memory_allocated(world.device), root=0)
-        if world.rank == 0:
+        peaks = comm.gather(torch.cuda.max_memory_allocated(world.device))
+        if peaks is not None:
             log.info("peak GPU memory per rank (GiB): %s", [round(p / 2**30, 2) for p in peaks])
     save_error = save_model(pipe, args.save, comm, args.checkpoint_dir) if args.save else None
-    comm.Barrier()
+    comm.barrier()
     # NCCL may hang at interpreter exit when its process group is left for the destructor.
     shutdown()
     if save_error:
@@ -122,11 +123,11 @@ def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Any) -> int:
     return 0
 
 
-def save_model(pipe: Pipeline, path: str, comm: Any, checkpoint_dir: str | None = None) -> str | None:
+def save_model(pipe: Pipeline, path: str, comm: Control, checkpoint_dir: str | None = None) -> str | None:
     """One state_dict with nn.Sequential(*spec.layers)'s keys, gathered on rank 0 (Pipeline.state_dict).
     Collective; returns None, or on every rank the line saying that --save failed and where the weights went."""
     from pipeflow.outputs import write_model
 
     full = pipe.state_dict()
     error = write_model(full, path, checkpoint_dir) if full is not None else None
-    return comm.bcast(error, root=0)
+    return comm.bcast(error)

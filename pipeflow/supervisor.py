@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 from pipeflow.config import TrainConfig
-from pipeflow.failure import EXIT_NONFINITE, AgreedError, StopTraining, agree
+from pipeflow.control import Control
+from pipeflow.failure import EXIT_NONFINITE, AgreedError, StopTraining
 from pipeflow.guard import StepGuard
 from pipeflow.hooks import GateFactory
 from pipeflow.signals import SignalStop
@@ -17,7 +18,7 @@ from pipeflow.signals import SignalStop
 log = logging.getLogger("pipeflow.failure")  # the name these lines had before failure.py was split: log lines unchanged
 
 
-def step_guard(args: TrainConfig, comm: Any, signals: SignalStop) -> GateFactory:
+def step_guard(args: TrainConfig, comm: Control, signals: SignalStop) -> GateFactory:
     """The engine's step gate (its constructor's `step_gate`): a StepGuard of --skip-nonfinite/--max-skips
     that agrees on skips and on the stops `signals` records."""
     def make(engine: Any) -> StepGuard:
@@ -30,9 +31,10 @@ class Supervisor:
     """Glue between the step loop and the above: resume, checkpoints every K steps, stops at boundaries.
     `engine` was built with step_gate=step_guard(args, comm, signals): its StepGuard is the one it reads."""
 
-    def __init__(self, args: TrainConfig, engine: Any, comm: Any, run_info: dict[str, Any],
+    def __init__(self, args: TrainConfig, engine: Any, comm: Control, run_info: dict[str, Any],
                  signals: SignalStop) -> None:
-        self.args, self.engine, self.comm, self.run_info = args, engine, comm, run_info
+        self.args, self.engine, self.run_info = args, engine, run_info
+        self.comm = Control(comm)
         self.signals = signals
         if not isinstance(engine.step_gate, StepGuard):
             raise TypeError("Supervisor: build the engine with step_gate=step_guard(args, comm, signals)")
@@ -57,10 +59,10 @@ class Supervisor:
                     step = restore.load(self.engine, path, self.run_info, marker)
             except checkpoint.CheckpointError as e:
                 error = str(e)
-            error = agree(self.comm, error)
+            error = self.comm.agree(error)
             if error:
                 raise AgreedError(error)
-            if self.comm.Get_rank() == 0:
+            if self.comm.rank == 0:
                 if path is None:
                     log.warning("--resume: no complete checkpoint in %s yet; starting from step 0",
                                 self.args.checkpoint_dir)
@@ -94,14 +96,12 @@ class Supervisor:
     def after_segment(self, step: int) -> None:
         """At the boundary after `step` steps of an asynchronous schedule (the pipeline drained): agree
         through one allreduce whether a rank was signalled; checkpoint (with --checkpoint-dir); stop if agreed."""
-        from pipeflow.control import allreduce_max
-
         if not self.args.checkpoint_dir:
             return
         mine = np.zeros(2, dtype=np.int64)
         if self.signals.signum:
-            mine[0], mine[1] = self.signals.signum, self.comm.Get_rank() + 1
-        every = allreduce_max(self.comm, mine)
+            mine[0], mine[1] = self.signals.signum, self.comm.rank + 1
+        every = self.comm.allreduce_max(mine)
         if step != self.saved_step:
             self._checkpoint(step)
         if every[0]:
@@ -140,7 +140,7 @@ class Supervisor:
         except checkpoint.CheckpointError as e:
             raise AgreedError(str(e)) from None
         self.saved_step = step
-        if self.comm.Get_rank() == 0:
+        if self.comm.rank == 0:
             log.info("checkpoint %s", self.saved)
 
     def close(self) -> None:

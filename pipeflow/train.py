@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 import traceback
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -27,6 +27,9 @@ from pipeflow.planning import check_ties, make_plan
 from pipeflow.runner import DTYPES, run
 from pipeflow.schedule import SCHEDULES, ScheduleError
 from pipeflow.spec import ModelError, build_model, parse_model_args
+
+if TYPE_CHECKING:
+    from pipeflow.control import Control
 
 log = logging.getLogger("pipeflow")
 
@@ -153,12 +156,12 @@ def main(argv: list[str] | None = None) -> int:
 
         faulthandler.dump_traceback_later(dump, exit=True)
     from pipeflow.comm import shutdown
-    from pipeflow.control import world_comm
+    from pipeflow.control import Control
     from pipeflow.watchdog import Watchdog, write_pid_file
 
-    comm = world_comm()  # MPI is initialised once per process, by the import
+    comm = Control.world()  # MPI is initialised once per process, by the import
     state = ProcessState()
-    setup_logging(comm.Get_rank(), comm.Get_size())
+    setup_logging(comm.rank, comm.size)
     write_pid_file()
     # Peer heartbeats: a rank that dies or stops ends the job within --timeout, even where MPI would wait.
     watchdog = Watchdog(comm, args.timeout if args.timeout > 0 else 300.0).start()
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         code = _main(args, comm, watchdog)
         watchdog.stop(sync=True)  # _main returns on all ranks together: none beats at a finalised peer
     except KeyboardInterrupt:  # SIGINT outside the training steps (which stop at a boundary): set-up, save
-        if comm.Get_rank() == 0:
+        if comm.rank == 0:
             from pipeflow.failure import say
 
             say("pipeflow-train: stopped by SIGINT outside the training steps; nothing saved")
@@ -194,10 +197,10 @@ def report_setup_errors(errors: list[str | None], rank: int) -> None:
         say(f"pipeflow-train: error: [rank {rank}] {errors[rank]}")
 
 
-def _main(args: argparse.Namespace, comm: Any, watchdog: Any) -> int:
+def _main(args: argparse.Namespace, comm: Control, watchdog: Any) -> int:
     from pipeflow.failure import EXIT_FAILED, EXIT_NONFINITE, AgreedError, NonFiniteError, StopTraining, say
 
-    rank, size = comm.Get_rank(), comm.Get_size()
+    rank, size = comm.rank, comm.size
     # Set-up errors are mostly the same on every rank (same flags, files, model): one MPI agreement
     # shares them, so that none waits for the others, and rank 0 reports an error they all found.
     error: str | None = None
@@ -229,11 +232,11 @@ def _main(args: argparse.Namespace, comm: Any, watchdog: Any) -> int:
         return 2
     except NonFiniteError as e:  # asynchronous schedules: no common boundary to stop at together
         say(f"pipeflow-train: error: [rank {rank}] {e}")
-        comm.Abort(EXIT_NONFINITE)
+        comm.abort(EXIT_NONFINITE)
         return EXIT_NONFINITE
     except (UsageError, PlanError, ScheduleError) as e:
         say(f"pipeflow-train: error: [rank {rank}] {e}")
-        comm.Abort(2)
+        comm.abort(2)
         return 2
     except Exception as e:
         silent = watchdog.suspects()  # a transfer failed: was it a dead or stopped peer?
@@ -241,11 +244,11 @@ def _main(args: argparse.Namespace, comm: Any, watchdog: Any) -> int:
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             say(f"pipeflow-train: error: [rank {rank}] rank {', '.join(map(str, silent))} stopped responding "
                 f"(no heartbeat; here: {first}). Stopping all ranks.")
-            comm.Abort(EXIT_FAILED)
+            comm.abort(EXIT_FAILED)
             return EXIT_FAILED
         traceback.print_exc()
         say(f"pipeflow-train: rank {rank} failed (traceback above); stopping all ranks")
-        comm.Abort(1)
+        comm.abort(1)
         return 1
 
 

@@ -40,3 +40,20 @@ def test_inbox_polls_one_tag_from_any_rank_and_takes_in_order():
     other.wait()
     assert world_comm() is MPI.COMM_WORLD
     assert thread_multiple() == (MPI.Query_thread() >= MPI.THREAD_MULTIPLE)
+
+
+def test_control_is_one_typed_object_for_agreement_broadcast_and_gather():
+    from types import SimpleNamespace
+
+    from mpi4py import MPI
+
+    from pipeflow.control import Control, Inbox
+
+    c = Control.of(SimpleNamespace(mpi=MPI.COMM_SELF))  # as from a comm.World
+    assert Control(c).comm is MPI.COMM_SELF and Control.world().comm is MPI.COMM_WORLD
+    assert (c.rank, c.size) == (0, 1) and c.Get_rank() == 0  # other names are the communicator's
+    assert c.agree(None) is None and c.agree("disk full") == "disk full"
+    assert c.allgather("x") == ["x"] and c.bcast({"a": 1}) == {"a": 1} and c.gather(5) == [5]
+    assert c.allreduce_max(np.array([2, 1], dtype=np.int64)).tolist() == [2, 1]
+    assert isinstance(c.inbox(0x7E5B), Inbox) and c.inbox(0x7E5B).poll() is False
+    c.barrier()
