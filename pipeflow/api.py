@@ -11,6 +11,7 @@ wrapper over it (runner.py). Run the script under MPI, every rank the same code 
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -184,7 +185,7 @@ def _resolve_plan(plan: Plan | str | None, num_layers: int, world_size: int, sch
     if isinstance(plan, str):
         plan = Plan.load(plan)
     elif isinstance(plan, Plan):  # a copy: the overrides below must not change the caller's
-        plan = Plan.from_json(plan.to_json(), source="the plan given to Pipeline")
+        plan = copy.deepcopy(plan)
     else:
         raise PlanError(f"Pipeline: plan must be a Plan, the path of a plan.json or None, found "
                         f"{type(plan).__name__}")

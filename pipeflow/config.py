@@ -149,9 +149,9 @@ class TrainConfig:
 
     @classmethod
     def from_flags(cls, flags: Mapping[str, Any], environ: Mapping[str, str]) -> TrainConfig:
-        """The config of parsed flags (argparse's dests; vars(namespace)), after the PIPEFLOW_* knobs of
-        `environ` are checked too: the flags first, then the environment, as before TrainConfig."""
-        config = cls(**{k: v for k, v in flags.items() if k in cls.__dataclass_fields__})
+        """The config of parsed flags (argparse's dests, vars(namespace): one field each), after which the
+        PIPEFLOW_* knobs of `environ` are checked too."""
+        config = cls(**flags)
         check_environment(environ)
         return config
 
@@ -163,11 +163,6 @@ class TrainConfig:
     def segment_steps(self) -> int | None:
         """Asynchronous schedules: minibatches per segment (checkpoints cut them); None: the whole run."""
         return (min(self.checkpoint_every, self.steps) or None) if self.checkpoint_dir else None
-
-
-def check_args(args: Any, environ: Mapping[str, str]) -> None:
-    """Every check that needs neither the model nor the plan (TrainConfig's, for a namespace of flags)."""
-    TrainConfig.from_flags(vars(args) if not isinstance(args, TrainConfig) else args.as_dict(), environ)
 
 
 def check_schedule_size(microbatches: int, what: str, hint: str = "") -> None:
