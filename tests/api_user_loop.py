@@ -3,6 +3,7 @@ tests/test_api.py (batched: `main(argv)`; or `mpirun -np N python -m tests.api_u
 [PLAN]`). Writes OUT/losses-rank<R>.json (what step returned on each rank) and, on rank 0, OUT/model.pt.
 
 The model, data and optimizer are `reference()`'s, the single-process training it must equal (float64).
+`main_cli_data` trains pipeflow-train's mlp on its data order instead (CLI_ARGS), to equal that run.
 """
 from __future__ import annotations
 
@@ -58,6 +59,33 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"losses-rank{rank}.json").write_text(json.dumps(losses))
     if state is not None:
+        torch.save(state, out / "model.pt")
+    return 0
+
+
+# pipeflow-train's flags that main_cli_data's loop reproduces (with --schedule, --microbatches, --steps).
+MLP_ARGS = {"layers": 4, "hidden": 8, "d_in": 4, "samples": 64}
+CLI_ARGS = ["--model", "mlp", "--model-args", json.dumps(MLP_ARGS), "--device", "cpu", "--layers-per-stage", "even",
+            "--microbatch-size", "2", "--optimizer", "sgd", "--lr", "0.05", "--dtype", "float64"]
+
+
+def main_cli_data(argv: list[str]) -> int:
+    """OUT SCHEDULE M STEPS: the loop pipeflow-train runs (CLI_ARGS), written over Pipeline.step: the model
+    builder's layers, minibatch k = the loader's microbatches k*M .. k*M+M-1 joined; OUT/model.pt on rank 0."""
+    import pipeflow
+    from pipeflow.data.loader import MicrobatchLoader
+
+    out, schedule, m, steps = Path(argv[0]), argv[1], int(argv[2]), int(argv[3])
+    spec = pipeflow.build_model("mlp", MLP_ARGS, seed=0)
+    loader = MicrobatchLoader(spec.dataset, 2, seed=0)
+    with pipeflow.Pipeline(spec.layers, spec.loss_fn, schedule=schedule, microbatches=m, device="cpu",
+                           dtype=torch.float64, optimizer=lambda params: torch.optim.SGD(params, lr=0.05)) as pipe:
+        for k in range(steps):
+            parts = [loader.microbatch(k * m + i) for i in range(m)]
+            pipe.step(torch.cat([x for x, _ in parts]), target=torch.cat([y for _, y in parts]))
+        state = pipe.state_dict()
+    if state is not None:
+        out.mkdir(parents=True, exist_ok=True)
         torch.save(state, out / "model.pt")
     return 0
 

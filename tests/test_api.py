@@ -1,5 +1,6 @@
 """The Python API (pipeflow/api.py): a user's own loop over Pipeline.step equals single-process training
-(float64), on -np 2 and on -np 3 with replicated stages; its usage errors are one line."""
+(float64), on -np 2 and on -np 3 with replicated stages, and under async/2bw equals pipeflow-train drained at
+every step; its usage errors are one line."""
 from __future__ import annotations
 
 import json
@@ -26,6 +27,25 @@ def user_loop(d: Path, name: str) -> Case:
         write_plan(d / "plan.json", schedule, 4, stages)
         args.append(str(d / "plan.json"))
     return Case(np, args, main="tests.api_user_loop:main")
+
+
+def cli_and_loop(d: Path, schedule: str) -> list[Case]:
+    """pipeflow-train, its asynchronous pipeline drained at every step (--checkpoint-every 1), and the same
+    training written as a user loop over Pipeline.step (which drains every step)."""
+    flags = ["--schedule", schedule, "--microbatches", "4", "--steps", "3"]
+    return [Case(2, [*api_user_loop.CLI_ARGS, *flags, "--checkpoint-dir", str(d / "ck"), "--checkpoint-every", "1",
+                     "--save", str(d / "cli.pt")]),
+            Case(2, [str(d / "loop"), schedule, "4", "3"], main="tests.api_user_loop:main_cli_data")]
+
+
+@pytest.mark.parametrize("schedule", ["async", "2bw"])
+@batched(cli_and_loop)
+def test_pipeline_step_under_an_asynchronous_schedule_equals_pipeflow_train(mpi: MpiRun, schedule: str) -> None:
+    cli = torch.load(mpi.dir / "cli.pt", weights_only=True)
+    loop = torch.load(mpi.dir / "loop" / "model.pt", weights_only=True)
+    assert cli.keys() == loop.keys()
+    for k in cli:
+        torch.testing.assert_close(loop[k], cli[k], rtol=0, atol=0, msg=f"{schedule}: {k}")
 
 
 @pytest.mark.parametrize("name", [s[0] for s in SETUPS])
