@@ -20,10 +20,13 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 def make_optimizer(args: argparse.Namespace) -> Any:
     def factory(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        if args.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-        cls = torch.optim.Adam if args.optimizer == "adam" else torch.optim.AdamW
         fused = bool(params) and all(p.is_cuda for p in params)  # one kernel per step on GPUs
+        if args.optimizer == "sgd":
+            # Fused SGD skips a non-finite step on the device (guard.py) exactly only without momentum: a
+            # skipped first step would leave its momentum buffers uninitialised (torch's _fused_sgd).
+            return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+                                   fused=(fused and args.momentum == 0) or None)
+        cls = torch.optim.Adam if args.optimizer == "adam" else torch.optim.AdamW
         return cls(params, lr=args.lr, weight_decay=args.weight_decay, fused=fused or None)
     return factory
 

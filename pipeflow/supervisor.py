@@ -83,6 +83,7 @@ class Supervisor:
         through one allreduce whether a rank was signalled; checkpoint (with --checkpoint-dir); stop if agreed."""
         from pipeflow.control import allreduce_max
 
+        self.guard.flush_pending()  # the lagged check: the segment's last update is settled before its checkpoint
         if not self.args.checkpoint_dir:
             return
         mine = np.zeros(2, dtype=np.int64)
