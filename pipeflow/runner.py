@@ -10,8 +10,9 @@ from typing import Any
 import torch
 
 from partitioner.plan import Plan
+from pipeflow.mfu import mfu, peak_tflops
 from pipeflow.planning import resolve_warmup
-from pipeflow.spec import ModelSpec
+from pipeflow.spec import ModelSpec, model_dtype
 
 log = logging.getLogger("pipeflow")
 
@@ -49,9 +50,12 @@ def run(args: argparse.Namespace, spec: ModelSpec, plan: Plan, comm: Any) -> int
                  args.microbatch_size, [(list(st.layers), st.ranks) for st in plan.stages])
     loader = MicrobatchLoader(spec.dataset, args.microbatch_size, seed=args.seed, shuffle=not args.no_shuffle)
     m = plan.microbatches
+    loader.stage_on(world.device, m)  # each minibatch's samples go to the device in one copy (issue 15)
+    dtype = DTYPES[args.dtype] if args.dtype else model_dtype(torch.nn.ModuleList(spec.layers))
+    peak = peak_tflops(world.device, dtype, getattr(args, "peak_tflops", None))
     monitor = Monitor(comm, plan, world.device, total_steps=args.steps, samples_per_step=m * args.microbatch_size,
                       tokens_per_sample=spec.tokens_per_sample, tensorboard=args.tensorboard, trace=args.trace,
-                      config=vars(args))
+                      config=vars(args), flops_per_sample=spec.flops_per_sample, peak_tflops=peak)
     engine = Engine(world, plan, spec, schedule=plan.schedule, optimizer_factory=make_optimizer(args),
                     warmup=resolve_warmup(args.warmup, plan),
                     loader=loader, dtype=DTYPES[args.dtype] if args.dtype else None, total_steps=args.steps,
@@ -101,6 +105,9 @@ def run(args: argparse.Namespace, spec: ModelSpec, plan: Plan, comm: Any) -> int
         steps, dt = args.steps - first_report[0], time.perf_counter() - first_report[1]
         rate = steps * m * args.microbatch_size / dt
         tok = f", {rate * spec.tokens_per_sample:.0f} tokens/s" if spec.tokens_per_sample else ""
+        utilisation = mfu(rate, spec.flops_per_sample, world.size, peak)
+        if utilisation is not None:
+            tok += f", MFU {100 * utilisation:.1f}% per GPU ({peak:g} TFLOP/s peak)"
         log.info("steady state (steps %d-%d): %.1f samples/s%s", first_report[0] + 1, args.steps, rate, tok)
     if world.device.type == "cuda":
         peaks = comm.gather(torch.cuda.max_memory_allocated(world.device), root=0)

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write TensorBoard scalars here (throughput, loss, per-stage times, bubble, memory)")
     p.add_argument("--trace", default=None, metavar="FILE.json",
                    help="write every rank's measured timeline as a Chrome trace (open in ui.perfetto.dev)")
+    p.add_argument("--peak-tflops", type=float, default=None, metavar="T",
+                   help="peak TFLOP/s of one device, for model FLOPs utilisation (MFU) in the steady-state line and "
+                        "TensorBoard's throughput/mfu (default: known GPUs' dense bf16/fp32 peak; none on CPUs)")
     p.add_argument("--vertical-sync", action="store_true",
                    help="async: every stage uses the weight version stage 0 used (PipeDream §3.3)")
     p.add_argument("--layers-per-stage", default=None,
@@ -107,6 +110,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"unknown schedule {args.schedule!r}: expected one of {', '.join(SCHEDULES)}")
     if getattr(args, "vertical_sync", False) and args.schedule and not schedule_kind(args.schedule).vertical_sync:
         raise UsageError(f"--vertical-sync needs --schedule async, found {args.schedule}")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise UsageError(f"--peak-tflops must be > 0 TFLOP/s, found {args.peak_tflops}")
     if args.timeout <= 0:
         raise UsageError(f"--timeout must be > 0 seconds, found {args.timeout}")
     if args.warmup not in ("min", "fill") and not all(x.strip().isdigit() for x in args.warmup.split(",")):

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipeflow.monitor import Progress, Span, chrome_trace, step_metrics, window_metrics
+from pipeflow.spec import build_model
 from tests.conftest import Case, MpiRun, batched
 
 GPT = {"layers": 2, "d_model": 16, "heads": 2, "seq_len": 8, "vocab": 256}
@@ -27,7 +28,8 @@ PREDICTED = {"step_ms": 40.0, "samples_per_s": 200.0, "bubble_fraction": 0.43,
 STAGE_TAGS = {"time/forward_ms", "time/backward_ms", "time/comm_wait_ms", "time/idle_ms", "time/step_ms",
               "time/optimizer_ms",
               "pipeline/bubble_fraction", "memory/peak_bytes", "predicted/peak_memory_bytes"}
-MAIN_TAGS = {"throughput/samples_per_s", "throughput/tokens_per_s", "loss/train", "lr", "time/step_ms",
+PEAK_TFLOPS = 0.001  # a CPU has no table entry: --peak-tflops gives MFU
+MAIN_TAGS = {"throughput/samples_per_s", "throughput/tokens_per_s", "throughput/mfu", "loss/train", "lr", "time/step_ms",
              "pipeline/bubble_fraction", "predicted/step_ms", "predicted/samples_per_s", "predicted/bubble_fraction"}
 
 
@@ -88,7 +90,8 @@ def monitored(d: Path) -> Case:
     (d / "plan.json").write_text(json.dumps(plan))
     return Case(4, ["--model", "gpt", "--model-args", json.dumps(GPT), "--plan", str(d / "plan.json"),
                     "--steps", str(STEPS), "--microbatch-size", str(B), "--log-every", str(EVERY), "--device", "cpu",
-                    "--tensorboard", str(d / "tb"), "--trace", str(d / "trace.json")], timeout=150)
+                    "--tensorboard", str(d / "tb"), "--trace", str(d / "trace.json"),
+                    "--peak-tflops", str(PEAK_TFLOPS)], timeout=150)
 
 
 @pytest.fixture
@@ -115,6 +118,11 @@ def test_event_files_hold_every_tag_at_every_report(run):
     assert all(v > 0 for v in values["throughput/samples_per_s"])
     assert values["throughput/tokens_per_s"] == pytest.approx([v * GPT["seq_len"]
                                                                for v in values["throughput/samples_per_s"]])
+    # MFU per device: the model's FLOP/s over 4 ranks' peak; GPT's FLOPs per sequence by PaLM's formula
+    n = sum(p.numel() for m in build_model("gpt", GPT).layers[1:] for p in m.parameters())
+    flops = 6 * n * GPT["seq_len"] + 12 * GPT["layers"] * GPT["d_model"] * GPT["seq_len"] ** 2
+    assert values["throughput/mfu"] == pytest.approx([v * flops / (4 * PEAK_TFLOPS * 1e12)
+                                                      for v in values["throughput/samples_per_s"]], rel=1e-5)
     assert all(math.isfinite(v) and 0 < v < 10 for v in values["loss/train"])
     assert values["lr"] == pytest.approx([1e-3] * len(reports))
     assert values["predicted/bubble_fraction"] == pytest.approx([0.43] * len(reports))
