@@ -30,7 +30,8 @@ STAGE_TAGS = {"time/forward_ms", "time/backward_ms", "time/comm_wait_ms", "time/
               "pipeline/bubble_fraction", "memory/peak_bytes", "predicted/peak_memory_bytes"}
 PEAK_TFLOPS = 0.001  # a CPU has no table entry: --peak-tflops gives MFU
 MAIN_TAGS = {"throughput/samples_per_s", "throughput/tokens_per_s", "throughput/mfu", "loss/train", "lr",
-             "time/step_ms", "pipeline/bubble_fraction", "predicted/step_ms", "predicted/samples_per_s", "predicted/bubble_fraction"}
+             "time/step_ms", "pipeline/bubble_fraction", "predicted/step_ms", "predicted/samples_per_s",
+             "predicted/bubble_fraction"}
 
 
 # ---------------------------------------------------------------- pure
