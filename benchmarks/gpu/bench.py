@@ -73,6 +73,7 @@ class Bench:
         self.work.mkdir(parents=True, exist_ok=True)
         self.peak, self.card = self._peak()
         self.rows: list[dict[str, str]] = []
+        self._flops: dict[str, float] = {}
         self.env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "PIPEFLOW_LOG": "INFO",
                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if args.cpu else "8")}
 
@@ -104,8 +105,15 @@ class Bench:
         return self.sh(cmd, log)
 
     def model_flops(self, cfg: dict[str, object]) -> float:
-        spec = build_model("gpt", {**cfg, "dataset_size": 1} if cfg.get("dataset") == "synthetic" else cfg)
-        return float(spec.flops_per_sample or 0.0)
+        """FLOPs per sequence from the model spec, built on the meta device (no memory: the large model is 10 B)."""
+        key = json.dumps(cfg, sort_keys=True)
+        if key not in self._flops:
+            import torch
+
+            with torch.device("meta"):
+                spec = build_model("gpt", cfg)
+            self._flops[key] = float(spec.flops_per_sample or 0.0)
+        return self._flops[key]
 
     def add(self, name: str, config: str, gpus: int, rc: int, out: str, cfg: dict[str, object],
             predicted: float | None = None, tokens: float | None = None, peak: str | None = None,
@@ -172,6 +180,10 @@ class Bench:
         topo = self.a.topology or f"{self.n}x300GB/s"
         out_path = self.work / f"plan-{tag}.json"
         common = ["--topology", topo, "--optimizer", "adam", "-o", str(out_path), str(prof)]
+        if not self.a.cpu:  # the card's memory: a plan for the large model must not replicate what cannot fit
+            import torch
+
+            common[:0] = ["--memory-per-worker", str(torch.cuda.get_device_properties(0).total_memory)]
         if split == "plan":
             cmd = ["pipeflow-plan", "--workers", str(self.n), "--schedule", schedule, "--microbatches", str(m),
                    *common]

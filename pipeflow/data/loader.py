@@ -32,8 +32,9 @@ class MicrobatchLoader:
             raise ValueError(f"--microbatch-size must be >= 1, found {microbatch_size}")
         self.dataset = dataset
         self.b = microbatch_size
-        self.order = (torch.randperm(n, generator=torch.Generator().manual_seed(seed)) if shuffle
-                      else torch.arange(n))
+        # A Python list: indices() reads it at every microbatch, without a tensor element read per sample.
+        self.order: list[int] = (torch.randperm(n, generator=torch.Generator().manual_seed(seed)) if shuffle
+                                 else torch.arange(n)).tolist()
         self.device: torch.device | None = None
         self.block = 1
         self._staged: dict[int, Any] = {}                      # block -> its samples, collated, on the device
@@ -51,7 +52,7 @@ class MicrobatchLoader:
 
     def indices(self, j: int) -> list[int]:
         n = len(self.order)
-        return [int(self.order[(j * self.b + k) % n]) for k in range(self.b)]
+        return [self.order[(j * self.b + k) % n] for k in range(self.b)]
 
     def signature(self, j: int) -> tuple[tuple[int, ...], ...]:
         """The input shapes of microbatch j, from one sample: every rank can compute it without the
