@@ -341,3 +341,13 @@ def test_steady_state_steps_read_no_tensor_on_the_host(schedule):
             opt.zero_grad()
     for p, q in zip(ref.parameters(), engine.stage.parameters()):
         torch.testing.assert_close(p, q)
+
+
+def test_peak_tflops_must_be_positive():
+    from pipeflow.failure import UsageError
+    from pipeflow.train import build_parser, check_args
+
+    args = build_parser().parse_args(["--peak-tflops", "0"])
+    with pytest.raises(UsageError, match=r"^--peak-tflops must be > 0 TFLOP/s, found 0.0$"):
+        check_args(args)
+    check_args(build_parser().parse_args(["--peak-tflops", "989"]))

@@ -76,14 +76,11 @@ class MicrobatchLoader:
             if len(self._staged) >= 2:  # the previous block may still be read (replicas, segments); not older ones
                 del self._staged[min(self._staged)]
             samples = [self.dataset[s] for jj in range(k * self.block, (k + 1) * self.block) for s in self.indices(jj)]
-            staged = self._staged[k] = tree_map(lambda t: _to(t, self.device), collate(samples), is_leaf=_not_seq)
+            # collate gives tuples of tensors: pytree's own containers, no is_leaf needed
+            staged = self._staged[k] = tree_map(lambda t: _to(t, self.device), collate(samples))
         lo, hi = i * self.b, (i + 1) * self.b
-        inputs, targets = tree_map(lambda t: t[lo:hi] if isinstance(t, torch.Tensor) else t, staged, is_leaf=_not_seq)
+        inputs, targets = tree_map(lambda t: t[lo:hi] if isinstance(t, torch.Tensor) else t, staged)
         return inputs, targets
-
-
-def _not_seq(v: Any) -> bool:
-    return not isinstance(v, (tuple, list))
 
 
 def _to(t: Any, device: torch.device | None) -> Any:
