@@ -92,12 +92,26 @@ def monitored(d: Path) -> Case:
     return Case(4, ["--model", "gpt", "--model-args", json.dumps(GPT), "--plan", str(d / "plan.json"),
                     "--steps", str(STEPS), "--microbatch-size", str(B), "--log-every", str(EVERY), "--device", "cpu",
                     "--tensorboard", str(d / "tb"), "--trace", str(d / "trace.json"),
-                    "--peak-tflops", str(PEAK_TFLOPS)], timeout=150)
+                    "--peak-tflops", str(PEAK_TFLOPS)], env={"PIPEFLOW_LOG": "INFO"}, timeout=150)
 
 
 @pytest.fixture
 def run(mpi: MpiRun) -> Path:
     return mpi.dir
+
+
+@batched(monitored)
+def test_steady_state_line_gives_mfu_per_device(mpi: MpiRun):
+    """The owner's steady-state line: samples/s, tokens/s and MFU per device against --peak-tflops."""
+    import re
+
+    line = next(ln for ln in mpi.proc.stderr.splitlines() if "steady state" in ln)
+    got = re.search(r": ([0-9.]+) samples/s, [0-9]+ tokens/s, MFU ([0-9.]+)% per GPU \(0.001 TFLOP/s peak\)$", line)
+    assert got, line
+    n = sum(p.numel() for m in build_model("gpt", GPT).layers[1:] for p in m.parameters())
+    flops = 6 * n * GPT["seq_len"] + 12 * GPT["layers"] * GPT["d_model"] * GPT["seq_len"] ** 2
+    assert float(got.group(2)) == pytest.approx(100 * float(got.group(1)) * flops / (4 * PEAK_TFLOPS * 1e12),
+                                                abs=0.06)
 
 
 def _scalars(logdir):
