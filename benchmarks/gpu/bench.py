@@ -12,6 +12,8 @@ Rows (';'-separated), every one at --sequences per optimizer step (default 64):
     pf SCHEDULE MB M SPLIT          pipeflow-train; SPLIT: layer counts (14,12), "plan" (pipeflow-plan on a
                                     profile made in this call) or "spot" (planned on the spot by pipeflow-train)
     big SCHEDULE MB M SPLIT         the same with the large model (--big-args), the one DDP cannot run
+    ... SPLIT sub                   pf/big rows: the GPT with granularity "sublayer" (attention and MLP as
+                                    separate layers, so the plan may cut inside a block)
 Each row prints `RESULT ...` with tokens/s, peak GiB per rank, MFU per GPU and, where a plan gives it, the
 predicted step time; $OUT/results.md (or --out) gets the markdown table.
 """
@@ -40,8 +42,9 @@ BIG = {"layers": 50, "d_model": 4096, "heads": 32, "seq_len": 1024, "vocab": 320
 TINY = {"layers": 4, "d_model": 32, "heads": 2, "seq_len": 16, "vocab": 256, "dataset": "synthetic"}
 DEFAULT_ROWS = ("single 8; ddp 8; torch 1F1B 8; torch 1F1B 4; torch 1F1B 2; torch Interleaved1F1B 2; "
                 "torch InterleavedZeroBubble 2; pf 1f1b 8 8 plan; pf 1f1b 4 16 plan; pf 1f1b 2 32 plan; "
-                "pf 1f1b 2 32 spot; pf 2bw 8 8 plan; pf async 2 32 plan; pf async 8 8 plan")
-CPU_ROWS = "single 2; ddp 2; torch 1F1B 2; pf 1f1b 2 4 plan; pf async 2 4 spot"  # 8 sequences per step
+                "pf 1f1b 8 8 plan sub; pf 1f1b 4 16 plan sub; pf 1f1b 2 32 spot; pf 2bw 8 8 plan; "
+                "pf async 2 32 plan; pf async 8 8 plan")
+CPU_ROWS = "single 2; ddp 2; torch 1F1B 2; pf 1f1b 2 4 plan sub; pf async 2 4 spot"  # 8 sequences per step
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -119,8 +122,11 @@ class Bench:
             predicted: float | None = None, tokens: float | None = None, peak: str | None = None,
             sequences: int | None = None) -> None:
         if tokens is None:
-            m = re.search(r"tokens_per_s=([0-9.]+)", out) or re.search(r"([0-9.]+) tokens/s", out)
-            tokens = float(m.group(1)) if m and rc == 0 else None
+            m = (re.search(r"RESULT .*tokens_per_s=([0-9.]+)", out)
+                 or re.search(r"steady state.* ([0-9.]+) tokens/s", out))
+            tokens = float(m.group(1)) if m else None
+            if tokens is not None and rc != 0:  # measured, then failed at teardown (gloo's, seen on CPU): say so
+                config += f" [exit {rc} after its result]"
         if peak is None:
             m = re.search(r"peak_gib=([0-9.]+)", out)
             peak = m.group(1) if m else "-"
@@ -203,17 +209,19 @@ class Bench:
         return out_path, ",".join(f"{st['layers'][1] - st['layers'][0]}" + (f"(x{st['replicas']})" if
                                   st["replicas"] > 1 else "") for st in plan["stages"])
 
-    def pf(self, schedule: str, mb: int, m: int, split: str, big: bool = False) -> None:
+    def pf(self, schedule: str, mb: int, m: int, split: str, big: bool = False, sub: bool = False) -> None:
         cfg = self.big if big else self.gpt
-        tag = f"{'big-' if big else ''}{schedule}-{mb}x{m}-{split.replace(',', '_')}"
-        name = f"pipeflow {schedule}" + (" (large model)" if big else "")
+        if sub:
+            cfg = {**cfg, "granularity": "sublayer"}
+        tag = f"{'big-' if big else ''}{'sub-' if sub else ''}{schedule}-{mb}x{m}-{split.replace(',', '_')}"
+        name = f"pipeflow {schedule}" + (" (large model)" if big else "") + (", sublayers" if sub else "")
         cmd = ["mpirun", "-np", str(self.n), sys.executable, "-m", "pipeflow.train", "--model", "gpt", "--model-args",
                json.dumps(cfg), "--device", self.device, "--dtype", self.dtype, "--optimizer", "adam", "--lr", "1e-4",
                "--steps", str(self.a.steps), "--log-every", str(max(1, self.a.steps // 3)),
                "--microbatch-size", str(mb), "--microbatches", str(m), "--schedule", schedule]
         predicted, shown = None, split
         if split != "spot":
-            prof = self.profile(cfg, mb, "big" if big else "gpt")
+            prof = self.profile(cfg, mb, ("big" if big else "gpt") + ("-sub" if sub else ""))
             path, shown = self.plan(prof, schedule, m, split, tag) if prof else (None, "no profile")
             if path is None:
                 if split == "plan":
@@ -248,7 +256,9 @@ class Bench:
                 elif w[0] == "torch":
                     self.torch(w[1], int(w[2]), w[3] if len(w) > 3 else None)
                 elif w[0] in ("pf", "big"):
-                    self.pf(w[1], int(w[2]), int(w[3]), w[4], big=w[0] == "big")
+                    if len(w) > 5 and w[5] != "sub":
+                        raise ValueError(f"the 6th word of a {w[0]} row can only be 'sub', found {w[5]!r}")
+                    self.pf(w[1], int(w[2]), int(w[3]), w[4], big=w[0] == "big", sub=len(w) > 5)
                 else:
                     raise ValueError(f"unknown row kind {w[0]!r}")
             except (IndexError, ValueError) as e:

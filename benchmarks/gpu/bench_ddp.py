@@ -88,6 +88,7 @@ def main() -> None:
         print(f"RESULT ddp ranks={world} mb={args.microbatch_size} tokens_per_s={tps:.0f} peak_gib={peak:.1f}",
               flush=True)
     if world > 1:
+        dist.barrier()  # no rank tears down while another still talks (gloo aborts on that)
         dist.destroy_process_group()
 
 

@@ -101,6 +101,7 @@ def main() -> None:
         tps = args.steps * n * cfg["seq_len"] / dt
         print(f"RESULT torch-{args.schedule} split={args.split} mb={args.microbatch_size} m={args.microbatches} "
               f"tokens_per_s={tps:.0f} peak_gib={float(peak[0]):.1f}", flush=True)
+    dist.barrier()  # no rank tears down while another still talks (gloo aborts on that)
     dist.destroy_process_group()
 
 
