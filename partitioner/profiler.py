@@ -133,6 +133,18 @@ def profile_layer(layer: nn.Module, x: Any, *, device: torch.device, dtype: torc
     return stats, out
 
 
+class _WithLoss(nn.Module):
+    """The last layer followed by the loss on the microbatch's target (the fp32 cross-entropy of a language
+    model costs as much as a block): profiled as one layer, so the planner prices the last stage's real work."""
+
+    def __init__(self, layer: nn.Module, loss_fn: Any, target: Any) -> None:
+        super().__init__()
+        self.layer, self.loss_fn, self.target = layer, loss_fn, target
+
+    def forward(self, x: Any) -> torch.Tensor:
+        return self.loss_fn(self.layer(x), self.target)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -221,11 +233,18 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     layers = []
     with torch.random.fork_rng(devices=cuda_devices):  # restores the CPU and this GPU's generators
         _check_microbatch_fits(spec, microbatch_size, dev, in_dtype, seed)
-        x, _ = MicrobatchLoader(spec.dataset, microbatch_size, seed=seed).microbatch(0)
+        x, y = MicrobatchLoader(spec.dataset, microbatch_size, seed=seed).microbatch(0)
         x = _cast_floats_to(x, in_dtype)
         for i, layer in enumerate(spec.layers):
             work = _sandbox_copy(layer, dev, torch_dtype)
+            last = i == len(spec.layers) - 1
+            if last:  # the loss runs on the last stage after its last layer: its time and memory are that layer's
+                with torch.no_grad():
+                    logits_bytes = _nbytes(work(_prepare_input(x, dev, None)))
+                work = _WithLoss(work, spec.loss_fn, _map(y, lambda t: t.to(dev)))
             stats, x = profile_layer(work, x, device=dev, dtype=None, warmup=warmup, repeats=repeats)
+            if last:
+                stats["name"], stats["output_bytes"] = type(layer).__name__, logits_bytes
             del work
             _free(dev)
             stats["name"] = f"{i}:{stats['name']}"

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
+from pipeflow.bufpool import BufferPool
 from pipeflow.control import META_TAG  # the shape/dtype messages; MPI keeps one (source, tag)'s in order
 
 log = logging.getLogger(__name__)
@@ -179,6 +180,7 @@ class P2P:
         self.window = window
         self.peak_pending = 0        # most sends held at once, and the most bytes they held
         self.peak_pending_bytes = 0
+        self.pool = BufferPool(world.device)  # receive buffers, back after their microbatch's backward
 
     def set_window(self, window: int) -> None:
         """Sends to keep before waiting for the oldest (Engine._send_window: what the schedule keeps in
@@ -215,7 +217,7 @@ class P2P:
                     "the input shapes")
         group = self._group(self.world.rank, dst, direction)
         bufs = [t.detach().contiguous() for t in tensors]
-        works = [dist.isend(b, dst, group=group) for b in bufs]
+        works = _batched(dist.isend, bufs, dst, group)
         self._reap()
         self.pending_sends.append((works, sum(b.numel() * b.element_size() for b in bufs)))
         if self.window is not None:
@@ -233,12 +235,12 @@ class P2P:
             meta = self.meta_cache[key]
         group = self._group(src, self.world.rank, direction)
         self._reap()
-        bufs, works = [], []
-        for shape, dtype, _ in meta:
-            buf = torch.empty(shape, dtype=dtype, device=self.world.device)
-            works.append(dist.irecv(buf, src, group=group))
-            bufs.append(buf)
-        return bufs, works
+        bufs = [self.pool.take(shape, dtype) for shape, dtype, _ in meta]
+        return bufs, _batched(dist.irecv, bufs, src, group)
+
+    def release(self, bufs: list[torch.Tensor], keep: list[torch.Tensor] | None = None) -> None:
+        """Receive buffers of a microbatch whose backward ran go back to the pool (bufpool.BufferPool.release)."""
+        self.pool.release(bufs, keep)
 
     def warm_up(self) -> None:
         """Open every channel once, in the order all ranks created them: NCCL creates a communicator
@@ -249,11 +251,13 @@ class P2P:
         probe = torch.zeros(1, device=self.world.device)
         for (src, dst, _), group in self.groups.items():
             if self.world.rank == src:
-                dist.send(probe, dst, group=group)
+                works = _batched(dist.isend, [probe], dst, group)
             elif self.world.rank == dst:
-                dist.recv(probe, src, group=group)
+                works = _batched(dist.irecv, [probe], src, group)
             else:
                 continue
+            for w in works:
+                w.wait()
             if self.world.device.type == "cuda":
                 torch.cuda.synchronize(self.world.device)
 
@@ -268,3 +272,13 @@ class P2P:
             for w in works:
                 w.wait()
         del self.pending_sends[:n]
+
+
+def _batched(op: Any, bufs: list[torch.Tensor], peer: int, group: Any) -> list[Any]:
+    """Post `op` (isend or irecv) of every buffer with `peer` as one batch, as torch's pipelining does: under NCCL
+    one coalesced launch on the group's own communicator, so no "unbatched P2P op ... lazy initialization" warning
+    and no extra 2-rank communicator per pair (each group is already one pair and direction); gloo posts them one
+    by one. Returns the works to wait on (NCCL: one for the batch)."""
+    if not bufs:
+        return []
+    return list(dist.batch_isend_irecv([dist.P2POp(op, b, peer, group) for b in bufs]))

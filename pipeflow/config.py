@@ -116,6 +116,7 @@ class TrainConfig:
     topology: str | None = None
     memory_per_worker: str | None = None
     warmup: str = "min"
+    peak_tflops: float | None = None
 
     def __post_init__(self) -> None:
         from pipeflow.kinds import SCHEDULES
@@ -137,6 +138,8 @@ class TrainConfig:
             raise ConfigError(f"unknown schedule {self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
         if self.vertical_sync and self.schedule and not schedule_kind(self.schedule).vertical_sync:
             raise ConfigError(f"--vertical-sync needs --schedule async, found {self.schedule}")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ConfigError(f"--peak-tflops must be > 0 TFLOP/s, found {self.peak_tflops}")
         if self.timeout <= 0:
             raise ConfigError(f"--timeout must be > 0 seconds, found {self.timeout}")
         if self.warmup not in ("min", "fill") and not all(x.strip().isdigit() for x in self.warmup.split(",")):

@@ -71,6 +71,7 @@ class Engine:
         self.losses: list[torch.Tensor] = []
         # Made last: a gate checks this engine's stage, optimizer and actions (guard.StepGuard).
         self.step_gate: StepGate | None = step_gate(self) if step_gate is not None else None
+        self._received: dict[int, list[torch.Tensor]] = {}  # microbatch -> its received inputs, until its backward
 
     # ------------------------------------------------------------------ set-up
 
@@ -83,6 +84,7 @@ class Engine:
         self.sched = self._scheds[steps]
         self.worker = self.sched.worker(self.s, self.r)
         self.actions: list[Action] = self.sched.actions[self.worker]
+        self._peers: dict[tuple[Kind, int | None], int] = {}
         if hasattr(self, "p2p"):
             self.p2p.set_window(self._send_window())
 
@@ -124,6 +126,14 @@ class Engine:
     def rank_of(self, worker: int) -> int:
         s, r = self.sched.workers[worker]
         return self.plan.stages[s].ranks[r]
+
+    def _peer_rank(self, a: Action) -> int:
+        """The rank on the other end of a SEND/RECV action, cached per (kind, microbatch) of this list."""
+        key = (a.kind, a.microbatch)
+        rank = self._peers.get(key)
+        if rank is None:
+            rank = self._peers[key] = self.rank_of(self.sched.peer(self.worker, a))
+        return rank
 
     def _make_channels(self) -> dict[tuple[int, int, str], Any]:
         """Groups for every neighbouring pair (both directions) and every replicated stage, created in
@@ -187,7 +197,7 @@ class Engine:
             if a.kind is Kind.RECV_F:
                 assert i is not None
                 j = self.global_mb(step, i)
-                recv_f[i] = self.p2p.recv(self.rank_of(self.sched.peer(self.worker, a)), "F",
+                recv_f[i] = self.p2p.recv(self._peer_rank(a), "F",
                                           signature=self.loader.signature(j))
             elif a.kind is Kind.RECV_B:
                 assert i is not None
@@ -199,7 +209,7 @@ class Engine:
             elif a.kind is Kind.SEND_F:
                 assert i is not None
                 with self.timer.span("SEND_F", i):
-                    self.p2p.send(outputs[i], self.rank_of(self.sched.peer(self.worker, a)), "F",
+                    self.p2p.send(outputs[i], self._peer_rank(a), "F",
                                   signature=self.loader.signature(self.global_mb(step, i)))
             elif a.kind is Kind.B:
                 assert i is not None
@@ -209,11 +219,14 @@ class Engine:
                 if self.reducer is not None and i in arm_at and i in self.stage.saved:
                     self.reducer.arm(self.stage.saved[i].outputs)
                 in_grads[i] = self._backward(i, posted)
-                outputs.pop(i, None)
+                # Received activations and gradients of microbatch i are now dead: their buffers are reused.
+                # (Not one an output or an input gradient still to be sent aliases: comm.P2P.release.)
+                self.p2p.release(self._received.pop(i, []) + (posted[0] if posted else []),
+                                 (outputs.pop(i, None) or []) + in_grads[i])
             elif a.kind is Kind.SEND_B:
                 assert i is not None
                 with self.timer.span("SEND_B", i):
-                    self.p2p.send(in_grads.pop(i), self.rank_of(self.sched.peer(self.worker, a)), "B")
+                    self.p2p.send(in_grads.pop(i), self._peer_rank(a), "B")
             elif a.kind is Kind.STEP:
                 self._step()
                 if on_step is not None:
@@ -233,7 +246,7 @@ class Engine:
         assert a.microbatch is not None
         saved = self.stage.saved[a.microbatch].outputs
         meta = [(tuple(t.shape), t.dtype, False) for t in saved]
-        return self.p2p.recv(self.rank_of(self.sched.peer(self.worker, a)), "B", meta=meta)
+        return self.p2p.recv(self._peer_rank(a), "B", meta=meta)
 
     def _forward(self, step: int, i: int, recv_f: dict[int, tuple[list[torch.Tensor], list[Any]]],
                  outputs: dict[int, list[torch.Tensor]]) -> None:
@@ -249,9 +262,10 @@ class Engine:
             with self.timer.span("WAIT_F", i):
                 for w in works:
                     w.wait()
-            meta = self.p2p.expect_meta(self.rank_of(self.sched.peer(self.worker, Action(Kind.RECV_F, i))),
+            meta = self.p2p.expect_meta(self._peer_rank(Action(Kind.RECV_F, i)),
                                         self.loader.signature(j))
             inputs = mark_requires_grad(bufs, [m[2] for m in meta])
+            self._received[i] = bufs
         self.policy.before_forward(i)
         scale = self.kind.loss_scale(self.m)
         with self.timer.span("F", i):

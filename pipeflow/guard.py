@@ -48,33 +48,53 @@ class StepGuard:
         self.exit_code = 0
         # On GPUs with a fused optimizer the check needs no host sync: the optimizer skips a non-finite
         # update on the device (its found_inf input, as under AMP's GradScaler), the flags are copied to
-        # pinned memory, and the ranks agree on them one step later, when that copy has long landed.
-        # --skip-nonfinite keeps the synchronous check: every stage must skip the same step.
+        # pinned memory, and the host reads them one STEP later, when that copy has long landed. Flush
+        # schedules then agree on them a step late; asynchronous ones stop (or log the skip) an update late,
+        # each stage's skip being its own anyway. Flush schedules with --skip-nonfinite keep the synchronous
+        # check: every stage must skip the same step, so they must agree before the update.
         opt = engine.optimizer
-        self.lagged = (agree_every_step and not skip_nonfinite and engine.world.device.type == "cuda"
+        self.lagged = (not (agree_every_step and skip_nonfinite) and engine.world.device.type == "cuda"
                        and supports_device_skip(opt))
-        self.pending: list[tuple[int, torch.Tensor, Any]] = []  # (step, pinned [bad_grad, bad_loss], event)
+        self.pending: list[tuple[int, torch.Tensor, Any]] = []  # (step, host [bad_grad, bad_loss], event)
+        self._ones: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def _device_flags(self) -> torch.Tensor:
-        """[bad_grad, bad_loss] on this stage's device, without reading them."""
+        """[bad_grad, bad_loss] (float32) on this stage's device, without reading them: one multi-tensor
+        kernel per gradient dtype (AMP's non-finite check, unscaling by exactly 1) and one over the losses."""
         e = self.engine
         dev = e.world.device
-        grads = [p.grad for p in e.stage.parameters() if p.grad is not None]
-        ok_grad = (torch.stack([g.isfinite().all() for g in grads]).all() if grads
-                   else torch.ones((), dtype=torch.bool, device=dev))
-        ok_loss = (torch.stack(e.losses[-self.losses_per_step:]).isfinite().all() if e.stage.last and e.losses
-                   else torch.ones((), dtype=torch.bool, device=dev))
-        return torch.stack([~ok_grad.to(dev), ~ok_loss.to(dev)])
+        found = torch.zeros((), dtype=torch.float32, device=dev)
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for p in e.stage.parameters():
+            if p.grad is not None:
+                groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        for (gdev, dtype), grads in groups.items():
+            one = self._ones.get((gdev, dtype))
+            if one is None:
+                one = self._ones[(gdev, dtype)] = torch.ones((), dtype=torch.float32, device=gdev)
+            if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+                hit = found if gdev == dev else torch.zeros((), dtype=torch.float32, device=gdev)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, hit, one)  # x * 1 == x: grads unchanged
+                if hit is not found:
+                    found = torch.maximum(found, hit.to(dev))
+            else:  # other dtypes (complex): the per-tensor check
+                bad = ~torch.stack([g.isfinite().all() for g in grads]).all()
+                found = torch.maximum(found, bad.float().to(dev))
+        if e.stage.last and e.losses:
+            bad_loss = (~torch.stack(e.losses[-self.losses_per_step:]).isfinite().all()).float().to(dev)
+        else:
+            bad_loss = torch.zeros((), dtype=torch.float32, device=dev)
+        return torch.stack([found, bad_loss])
 
     def _local_check(self) -> tuple[bool, bool]:
         bad = self._device_flags().cpu().tolist()  # the one host sync
         return bool(bad[0]), bool(bad[1])
 
     def _lagged(self) -> bool:
-        """The sync-free check: skip on the device now, agree on the previous step's flags."""
+        """The sync-free check: skip on the device now, settle the previous STEP's flags on the host."""
         flags = self._device_flags()
-        arm_device_skip(self.engine.optimizer, flags.any().float())
-        host = torch.empty(2, dtype=torch.bool, pin_memory=flags.is_cuda)
+        arm_device_skip(self.engine.optimizer, flags.max())  # float32 0. or 1.: fused optimizers skip
+        host = torch.empty(2, dtype=torch.float32, pin_memory=flags.is_cuda)
         host.copy_(flags, non_blocking=flags.is_cuda)
         event = torch.cuda.Event() if flags.is_cuda else None
         if event is not None:
@@ -83,23 +103,26 @@ class StepGuard:
         self.step += 1
         self.pending.append((step, host, event))
         if len(self.pending) > 1:
-            prev, prev_host, prev_event = self.pending.pop(0)
-            if prev_event is not None:
-                prev_event.synchronize()  # recorded a whole step ago: already complete in the steady state
-            self.bad_grad, self.bad_loss = bool(prev_host[0]), bool(prev_host[1])
-            if self._agree(prev):
-                self.skipped.append(prev)
+            self._settle(*self.pending.pop(0))
         return True  # the update itself is skipped on the device when non-finite
 
+    def _settle(self, step: int, host: torch.Tensor, event: Any) -> None:
+        """Read a lagged STEP's flags (its copy landed long ago) and act on them as the synchronous check
+        would have: agree (flush schedules) or stop / log the skip (asynchronous ones)."""
+        if event is not None:
+            event.synchronize()  # recorded a whole STEP ago: already complete in the steady state
+        bad_grad, bad_loss = (bool(x) for x in host.numpy())  # a host buffer: numpy reads it without a device sync
+        if self.agree_every_step:
+            self.bad_grad, self.bad_loss = bad_grad, bad_loss
+            if self._agree(step):
+                self.skipped.append(step)
+        else:
+            self._update_outcome(step, bad_grad, bad_loss)
+
     def flush_pending(self) -> None:
-        """Agree on the last step's flags (at the end of training)."""
+        """Settle the last STEP's flags (at the end of training, a checkpoint or a segment's end)."""
         while self.pending:
-            prev, prev_host, prev_event = self.pending.pop(0)
-            if prev_event is not None:
-                prev_event.synchronize()
-            self.bad_grad, self.bad_loss = bool(prev_host[0]), bool(prev_host[1])
-            if self._agree(prev):
-                self.skipped.append(prev)
+            self._settle(*self.pending.pop(0))
 
     def __call__(self) -> bool:
         """Whether to apply this STEP's optimizer update."""
@@ -115,6 +138,10 @@ class StepGuard:
             if nonfinite:
                 self.skipped.append(step)
             return not nonfinite
+        return not self._update_outcome(step, bad_grad, bad_loss)
+
+    def _update_outcome(self, step: int, bad_grad: bool, bad_loss: bool) -> bool:
+        """Asynchronous schedules: this stage's update `step` was non-finite? Raise, or log its skip."""
         if bad_grad or bad_loss:
             self.skipped.append(step)
             self.consecutive += 1
@@ -127,9 +154,9 @@ class StepGuard:
                                      f"{self._skip_count(len(self.skipped))}. Lower --lr or check the data")
             log.warning("non-finite %s at update %d on stage %d: skipped (--skip-nonfinite)", what, step + 1,
                         self.engine.s)
-            return False
+            return True
         self.consecutive = 0
-        return True
+        return False
 
     def _skip_count(self, total: int) -> str:
         return (f"{self.consecutive} consecutive {'steps' if self.agree_every_step else 'updates'} skipped "

@@ -12,6 +12,7 @@ import torch
 from partitioner.plan import Plan
 from pipeflow.board import Board, describe
 from pipeflow.hooks import Timer, Timing
+from pipeflow.mfu import mfu
 from pipeflow.progress import Progress
 from pipeflow.spans import (  # noqa: F401  (step_metrics: tests import it from here)
     Span,
@@ -34,7 +35,8 @@ class Monitor:
 
     def __init__(self, comm: Any, plan: Plan, device: torch.device, *, total_steps: int, samples_per_step: int,
                  tokens_per_sample: int = 0, tensorboard: str | None = None, trace: str | None = None,
-                 config: dict[str, Any] | None = None) -> None:
+                 config: dict[str, Any] | None = None, flops_per_sample: float | None = None,
+                 peak_tflops: float | None = None) -> None:
         self.comm = comm.Dup()  # its own communicator: these collectives never meet the runtime's messages
         self.rank = self.comm.Get_rank()
         self.plan, self.device = plan, device
@@ -46,6 +48,7 @@ class Monitor:
         self.trace_spans: list[Span] = []
         self.clock_shift = 0.0  # add to this rank's span times to put them on rank 0's time axis
         self.samples_per_step, self.tokens_per_sample = samples_per_step, tokens_per_sample
+        self.flops_per_sample, self.peak_tflops = flops_per_sample, peak_tflops  # MFU (mfu.py) when both known
         owner = self.rank == self.owner
         self.progress = Progress(total_steps, samples_per_step, tokens_per_sample) if owner else None
         self.config = config or {}
@@ -89,6 +92,9 @@ class Monitor:
         scalars: dict[str, float] = {"throughput/samples_per_s": rate}
         if self.tokens_per_sample > 0:
             scalars["throughput/tokens_per_s"] = rate * self.tokens_per_sample
+        utilisation = mfu(rate, self.flops_per_sample, self.comm.Get_size(), self.peak_tflops)
+        if utilisation is not None:
+            scalars["throughput/mfu"] = utilisation
         if loss is not None and math.isfinite(loss):
             scalars["loss/train"] = loss
         if lr is not None:

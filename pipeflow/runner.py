@@ -10,8 +10,9 @@ import torch
 
 from partitioner.plan import Plan
 from pipeflow.config import TrainConfig
+from pipeflow.mfu import mfu, peak_tflops
 from pipeflow.planning import resolve_warmup
-from pipeflow.spec import ModelSpec
+from pipeflow.spec import ModelSpec, model_dtype
 
 if TYPE_CHECKING:
     from pipeflow.api import OptimizerFactory, Pipeline
@@ -24,10 +25,13 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 def make_optimizer(args: TrainConfig) -> OptimizerFactory:
     def factory(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        if args.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-        cls = torch.optim.Adam if args.optimizer == "adam" else torch.optim.AdamW
         fused = bool(params) and all(p.is_cuda for p in params)  # one kernel per step on GPUs
+        if args.optimizer == "sgd":
+            # Fused SGD skips a non-finite step on the device (guard.py) exactly only without momentum: a
+            # skipped first step would leave its momentum buffers uninitialised (torch's _fused_sgd).
+            return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+                                   fused=(fused and args.momentum == 0) or None)
+        cls = torch.optim.Adam if args.optimizer == "adam" else torch.optim.AdamW
         return cls(params, lr=args.lr, weight_decay=args.weight_decay, fused=fused or None)
     return factory
 
@@ -51,9 +55,12 @@ def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Control) -> int:
                  args.microbatch_size, [(list(st.layers), st.ranks) for st in plan.stages])
     loader = MicrobatchLoader(spec.dataset, args.microbatch_size, seed=args.seed, shuffle=not args.no_shuffle)
     m = plan.microbatches
+    loader.stage_on(world.device, m)  # each minibatch's samples go to the device in one copy (issue 15)
+    dtype = DTYPES[args.dtype] if args.dtype else model_dtype(torch.nn.ModuleList(spec.layers))
+    peak = peak_tflops(world.device, dtype, args.peak_tflops)
     monitor = Monitor(comm, plan, world.device, total_steps=args.steps, samples_per_step=m * args.microbatch_size,
                       tokens_per_sample=spec.tokens_per_sample, tensorboard=args.tensorboard, trace=args.trace,
-                      config=args.as_dict())
+                      config=args.as_dict(), flops_per_sample=spec.flops_per_sample, peak_tflops=peak)
     signals = SignalStop()
     # The Python API's pipeline (api.py), fed by the dataset's loader, with the monitor's timer and the
     # non-finite guard (supervisor.step_guard) as its hooks.
@@ -107,6 +114,9 @@ def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Control) -> int:
         steps, dt = args.steps - first_report[0], time.perf_counter() - first_report[1]
         rate = steps * m * args.microbatch_size / dt
         tok = f", {rate * spec.tokens_per_sample:.0f} tokens/s" if spec.tokens_per_sample else ""
+        utilisation = mfu(rate, spec.flops_per_sample, world.size, peak)
+        if utilisation is not None:
+            tok += f", MFU {100 * utilisation:.1f}% per GPU ({peak:g} TFLOP/s peak)"
         log.info("steady state (steps %d-%d): %.1f samples/s%s", first_report[0] + 1, args.steps, rate, tok)
     if world.device.type == "cuda":
         peaks = comm.gather(torch.cuda.max_memory_allocated(world.device))

@@ -22,6 +22,9 @@ class ModelSpec:
     dataset: torch.utils.data.Dataset
     # Tokens per sample, for tokens/s in the monitor; 0 when the model has no tokens.
     tokens_per_sample: int = 0
+    # Training FLOPs (forward and backward) per sample, for model FLOPs utilisation (mfu.py); None: not known,
+    # no MFU reported.
+    flops_per_sample: float | None = None
     name: str = ""
     args: dict[str, Any] = field(default_factory=dict)
 

@@ -192,8 +192,10 @@ class StashPolicy(WeightPolicy):
             buf = [nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad) for _, _, p in self.slots]
             self.allocated += 1
         with torch.no_grad():  # the buffer is free: no graph references it
-            for c, (_, _, p) in zip(buf, self.slots):
-                c.copy_(p)
+            # One multi-tensor copy, not one launch per parameter: on a GPU at small microbatches the
+            # launches, not the bytes, were the cost of the copy (issue 15).
+            dst: list[torch.Tensor] = list(buf)
+            torch._foreach_copy_(dst, [p for _, _, p in self.slots])
         self.copies[v] = buf
 
     def _bind(self, params: list[nn.Parameter]) -> None:
@@ -221,14 +223,18 @@ class StashPolicy(WeightPolicy):
         if v is None:
             self.book.backward(mb)
             return
+        into, adds = [], []
         for c, (_, _, p) in zip(self.copies[v], self.slots):
             if c.grad is None:
                 continue
             if p.grad is None:
-                p.grad = c.grad
+                p.grad = c.grad  # the gradient tensor moves over: no copy
             else:
-                p.grad.add_(c.grad)
+                into.append(p.grad)
+                adds.append(c.grad)
             c.grad = None
+        if into:
+            torch._foreach_add_(into, adds)
         free = self.book.backward(mb)
         if free is not None:
             self.pool.append(self.copies.pop(free))

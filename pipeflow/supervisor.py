@@ -96,6 +96,7 @@ class Supervisor:
     def after_segment(self, step: int) -> None:
         """At the boundary after `step` steps of an asynchronous schedule (the pipeline drained): agree
         through one allreduce whether a rank was signalled; checkpoint (with --checkpoint-dir); stop if agreed."""
+        self.guard.flush_pending()  # the lagged check: the segment's last update is settled before its checkpoint
         if not self.args.checkpoint_dir:
             return
         mine = np.zeros(2, dtype=np.int64)

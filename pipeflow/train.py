@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write TensorBoard scalars here (throughput, loss, per-stage times, bubble, memory)")
     p.add_argument("--trace", default=None, metavar="FILE.json",
                    help="write every rank's measured timeline as a Chrome trace (open in ui.perfetto.dev)")
+    p.add_argument("--peak-tflops", type=float, default=None, metavar="T",
+                   help="peak TFLOP/s of one device, for model FLOPs utilisation (MFU) in the steady-state line and "
+                        "TensorBoard's throughput/mfu (default: known GPUs' dense bf16/fp32 peak; none on CPUs)")
     p.add_argument("--vertical-sync", action="store_true",
                    help="async: every stage uses the weight version stage 0 used (PipeDream §3.3)")
     p.add_argument("--layers-per-stage", default=None,

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipeflow.monitor import Progress, Span, chrome_trace, step_metrics, window_metrics
+from pipeflow.spec import build_model
 from tests.conftest import Case, MpiRun, batched
 
 GPT = {"layers": 2, "d_model": 16, "heads": 2, "seq_len": 8, "vocab": 256}
@@ -27,8 +28,10 @@ PREDICTED = {"step_ms": 40.0, "samples_per_s": 200.0, "bubble_fraction": 0.43,
 STAGE_TAGS = {"time/forward_ms", "time/backward_ms", "time/comm_wait_ms", "time/idle_ms", "time/step_ms",
               "time/optimizer_ms",
               "pipeline/bubble_fraction", "memory/peak_bytes", "predicted/peak_memory_bytes"}
-MAIN_TAGS = {"throughput/samples_per_s", "throughput/tokens_per_s", "loss/train", "lr", "time/step_ms",
-             "pipeline/bubble_fraction", "predicted/step_ms", "predicted/samples_per_s", "predicted/bubble_fraction"}
+PEAK_TFLOPS = 0.001  # a CPU has no table entry: --peak-tflops gives MFU
+MAIN_TAGS = {"throughput/samples_per_s", "throughput/tokens_per_s", "throughput/mfu", "loss/train", "lr",
+             "time/step_ms", "pipeline/bubble_fraction", "predicted/step_ms", "predicted/samples_per_s",
+             "predicted/bubble_fraction"}
 
 
 # ---------------------------------------------------------------- pure
@@ -88,12 +91,27 @@ def monitored(d: Path) -> Case:
     (d / "plan.json").write_text(json.dumps(plan))
     return Case(4, ["--model", "gpt", "--model-args", json.dumps(GPT), "--plan", str(d / "plan.json"),
                     "--steps", str(STEPS), "--microbatch-size", str(B), "--log-every", str(EVERY), "--device", "cpu",
-                    "--tensorboard", str(d / "tb"), "--trace", str(d / "trace.json")], timeout=150)
+                    "--tensorboard", str(d / "tb"), "--trace", str(d / "trace.json"),
+                    "--peak-tflops", str(PEAK_TFLOPS)], env={"PIPEFLOW_LOG": "INFO"}, timeout=150)
 
 
 @pytest.fixture
 def run(mpi: MpiRun) -> Path:
     return mpi.dir
+
+
+@batched(monitored)
+def test_steady_state_line_gives_mfu_per_device(mpi: MpiRun):
+    """The owner's steady-state line: samples/s, tokens/s and MFU per device against --peak-tflops."""
+    import re
+
+    line = next(ln for ln in mpi.proc.stderr.splitlines() if "steady state" in ln)
+    got = re.search(r": ([0-9.]+) samples/s, [0-9]+ tokens/s, MFU ([0-9.]+)% per GPU \(0.001 TFLOP/s peak\)$", line)
+    assert got, line
+    n = sum(p.numel() for m in build_model("gpt", GPT).layers[1:] for p in m.parameters())
+    flops = 6 * n * GPT["seq_len"] + 12 * GPT["layers"] * GPT["d_model"] * GPT["seq_len"] ** 2
+    assert float(got.group(2)) == pytest.approx(100 * float(got.group(1)) * flops / (4 * PEAK_TFLOPS * 1e12),
+                                                abs=0.06)
 
 
 def _scalars(logdir):
@@ -115,6 +133,11 @@ def test_event_files_hold_every_tag_at_every_report(run):
     assert all(v > 0 for v in values["throughput/samples_per_s"])
     assert values["throughput/tokens_per_s"] == pytest.approx([v * GPT["seq_len"]
                                                                for v in values["throughput/samples_per_s"]])
+    # MFU per device: the model's FLOP/s over 4 ranks' peak; GPT's FLOPs per sequence by PaLM's formula
+    n = sum(p.numel() for m in build_model("gpt", GPT).layers[1:] for p in m.parameters())
+    flops = 6 * n * GPT["seq_len"] + 12 * GPT["layers"] * GPT["d_model"] * GPT["seq_len"] ** 2
+    assert values["throughput/mfu"] == pytest.approx([v * flops / (4 * PEAK_TFLOPS * 1e12)
+                                                      for v in values["throughput/samples_per_s"]], rel=1e-5)
     assert all(math.isfinite(v) and 0 < v < 10 for v in values["loss/train"])
     assert values["lr"] == pytest.approx([1e-3] * len(reports))
     assert values["predicted/bubble_fraction"] == pytest.approx([0.43] * len(reports))

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.data import Dataset
 
 
@@ -32,23 +32,63 @@ class MicrobatchLoader:
             raise ValueError(f"--microbatch-size must be >= 1, found {microbatch_size}")
         self.dataset = dataset
         self.b = microbatch_size
-        self.order = (torch.randperm(n, generator=torch.Generator().manual_seed(seed)) if shuffle
-                      else torch.arange(n))
+        # A Python list: indices() reads it at every microbatch, without a tensor element read per sample.
+        self.order: list[int] = (torch.randperm(n, generator=torch.Generator().manual_seed(seed)) if shuffle
+                                 else torch.arange(n)).tolist()
+        self.device: torch.device | None = None
+        self.block = 1
+        self._staged: dict[int, Any] = {}                      # block -> its samples, collated, on the device
+        self._signatures: dict[int, tuple[tuple[int, ...], ...]] = {}
+
+    def stage_on(self, device: torch.device, block: int) -> None:
+        """Read microbatches `block` at a time (a minibatch): each block's samples are collated and moved to
+        `device` in one copy per tensor, and microbatch() returns slices of it. The values are those of the
+        per-microbatch path (stacking then slicing is stacking the slice); what changes is one host-to-device
+        copy per step instead of one per microbatch and input (issue 15)."""
+        if block < 1:
+            raise ValueError(f"the staging block must be >= 1 microbatches, found {block}")
+        self.device, self.block = device, block
+        self._staged.clear()
 
     def indices(self, j: int) -> list[int]:
         n = len(self.order)
-        return [int(self.order[(j * self.b + k) % n]) for k in range(self.b)]
+        return [self.order[(j * self.b + k) % n] for k in range(self.b)]
 
     def signature(self, j: int) -> tuple[tuple[int, ...], ...]:
         """The input shapes of microbatch j, from one sample: every rank can compute it without the
         data travelling, so shapes between stages need to be exchanged only when it changes."""
-        x = self.dataset[self.indices(j)[0]][0]
-        return tuple((self.b, *t.shape) for t in _tensors(x))
+        sig = self._signatures.get(j)
+        if sig is None:  # asked for at every send and receive: read the sample once
+            if len(self._signatures) >= 4 * self.block + 64:
+                self._signatures.clear()
+            x = self.dataset[self.indices(j)[0]][0]
+            sig = self._signatures[j] = tuple((self.b, *t.shape) for t in _tensors(x))
+        return sig
 
     def microbatch(self, j: int) -> tuple[Any, Any]:
-        """(input, target) of the j-th microbatch since the start of training."""
-        inputs, targets = collate([self.dataset[i] for i in self.indices(j)])
+        """(input, target) of the j-th microbatch since the start of training (on the staging device, if any)."""
+        if self.device is None:
+            inputs, targets = collate([self.dataset[i] for i in self.indices(j)])
+            return inputs, targets
+        k, i = divmod(j, self.block)
+        staged = self._staged.get(k)
+        if staged is None:
+            if len(self._staged) >= 2:  # the previous block may still be read (replicas, segments); not older ones
+                del self._staged[min(self._staged)]
+            samples = [self.dataset[s] for jj in range(k * self.block, (k + 1) * self.block) for s in self.indices(jj)]
+            # collate gives tuples of tensors: pytree's own containers, no is_leaf needed
+            staged = self._staged[k] = tree_map(lambda t: _to(t, self.device), collate(samples))
+        lo, hi = i * self.b, (i + 1) * self.b
+        inputs, targets = tree_map(lambda t: t[lo:hi] if isinstance(t, torch.Tensor) else t, staged)
         return inputs, targets
+
+
+def _to(t: Any, device: torch.device | None) -> Any:
+    if not isinstance(t, torch.Tensor) or device is None:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)  # pinned: the copy does not sync the host
+    return t.to(device)
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:

@@ -48,6 +48,43 @@ class Block(nn.Module):
         return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
 
 
+class Attention(nn.Module):
+    """The first half of a Block as a layer of its own (granularity "sublayer"): x + attention(ln1(x)). Same
+    parameter names and initialisation order as Block, so the two forms build the same weights."""
+
+    def __init__(self, d_model: int, heads: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        if d_model % heads:
+            raise ValueError(f"d_model {d_model} must be divisible by heads {heads}")
+        self.heads, self.dropout = heads, dropout
+        self.drop = nn.Dropout(dropout)
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+
+
+class MLP(nn.Module):
+    """The second half of a Block as a layer of its own: x + mlp(ln2(x))."""
+
+    def __init__(self, d_model: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(dropout)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.out = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+
 class Head(nn.Module):
     def __init__(self, d_model: int, vocab: int) -> None:
         super().__init__()
@@ -62,15 +99,27 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
+def flops_per_sequence(matmul_params: int, layers: int, d_model: int, seq_len: int) -> float:
+    """Training FLOPs of one sequence (PaLM, Chowdhery et al. 2022, appendix B): 6 N per token for the weight
+    matmuls forward and backward, N the parameters that multiply (blocks and head; the embeddings are lookups),
+    plus 12 L d T per token for attention's score and value matmuls (counted in full, causal masking or not):
+    6 N T + 12 L d T^2 per sequence of T tokens."""
+    return 6.0 * matmul_params * seq_len + 12.0 * layers * d_model * seq_len ** 2
+
+
 def build(layers: int = 4, d_model: int = 128, heads: int = 4, seq_len: int = 64, vocab: int = 256,
-          dataset: str = "stdlib", dataset_size: int = 4096, dropout: float = 0.0, tie: bool = False) -> ModelSpec:
+          dataset: str = "stdlib", dataset_size: int = 4096, dropout: float = 0.0, tie: bool = False,
+          granularity: str = "block") -> ModelSpec:
     """`layers` transformer blocks, so len(spec.layers) == layers + 2. The stdlib dataset is byte-level
     (tokens < 256 <= vocab); `dataset="synthetic"` draws random tokens below `vocab`. `dropout` (nanoGPT's
     places) draws per (seed, microbatch, layer) under pipeflow-train (docs/reproducibility.md). `tie`: the
     head's weight is the token embedding's (GPT-2, Press & Wolf 2017), one Parameter held by the first and last
-    layer."""
+    layer. `granularity="sublayer"` gives each block as two layers, Attention then MLP (2 * layers + 2 layers,
+    the same weights and outputs), so that a planner can cut between them."""
     if layers < 1:
         raise ValueError(f"gpt needs layers >= 1, found {layers}")
+    if granularity not in ("block", "sublayer"):
+        raise ValueError(f"gpt granularity must be 'block' or 'sublayer', found {granularity!r}")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"gpt needs 0 <= dropout < 1, found {dropout}")
     if dataset == "stdlib":
@@ -83,9 +132,13 @@ def build(layers: int = 4, d_model: int = 128, heads: int = 4, seq_len: int = 64
         raise ValueError(f"unknown gpt dataset {dataset!r}: expected 'stdlib' or 'synthetic'")
     embed = Embedding(vocab, d_model, seq_len, dropout)
     mods: list[nn.Module] = [embed]
-    mods += [Block(d_model, heads, dropout) for _ in range(layers)]
+    for _ in range(layers):
+        mods += ([Block(d_model, heads, dropout)] if granularity == "block"
+                 else [Attention(d_model, heads, dropout), MLP(d_model, dropout)])
     head = Head(d_model, vocab)
     if tie:
         head.lm.weight = embed.tok.weight
     mods.append(head)
-    return ModelSpec(layers=mods, loss_fn=lm_loss, dataset=data, tokens_per_sample=seq_len)
+    matmul = sum(p.numel() for m in mods[1:] for p in m.parameters())  # a tied weight counts once, in the head
+    return ModelSpec(layers=mods, loss_fn=lm_loss, dataset=data, tokens_per_sample=seq_len,
+                     flops_per_sample=flops_per_sequence(matmul, layers, d_model, seq_len))

@@ -51,4 +51,6 @@ def build(layers: int = 6, d_in: int = 32, hidden: int = 64, classes: int = 10, 
     mods: list[nn.Module] = [InputLayer(d_in, hidden)]
     mods += [HiddenLayer(hidden) for _ in range(layers - 2)]
     mods.append(OutputLayer(hidden, classes))
-    return ModelSpec(layers=mods, loss_fn=F.cross_entropy, dataset=TensorDataset(x, y))
+    params = sum(p.numel() for m in mods for p in m.parameters())
+    # 6 N per sample: 2 N forward, 4 N backward (the weight matmuls dominate; PaLM's estimate)
+    return ModelSpec(layers=mods, loss_fn=F.cross_entropy, dataset=TensorDataset(x, y), flops_per_sample=6.0 * params)

@@ -1,0 +1,297 @@
+"""The side-by-side GPT benchmark on N GPUs of one host (issues 15 and 16), one row per system, in one call.
+
+    python3 benchmarks/gpu/bench.py --gpus 2                         # the default rows below, on 2 GPUs
+    python3 benchmarks/gpu/bench.py --gpus 4 --rows "ddp 8; pf 1f1b 4 16 plan; big 1f1b 1 64 plan"
+    python3 benchmarks/gpu/bench.py --cpu                            # tiny GPT, gloo, 2 ranks: checks the harness
+
+Rows (';'-separated), every one at --sequences per optimizer step (default 64):
+    single MB                       one GPU, plain training loop (bench_ddp.py on one rank), microbatches of MB
+    ddp MB                          torch DDP on every GPU (bench_ddp.py), MB-sequence microbatches per rank
+    torch SCHEDULE MB [SPLIT]       torch.distributed.pipelining (bench_torch_pp.py), m = sequences / MB; SCHEDULE
+                                    1F1B, GPipe, Interleaved1F1B or InterleavedZeroBubble (2 stages per rank)
+    pf SCHEDULE MB M SPLIT          pipeflow-train; SPLIT: layer counts (14,12), "plan" (pipeflow-plan on a
+                                    profile made in this call) or "spot" (planned on the spot by pipeflow-train)
+    big SCHEDULE MB M SPLIT         the same with the large model (--big-args), the one DDP cannot run
+    ... SPLIT sub                   pf/big rows: the GPT with granularity "sublayer" (attention and MLP as
+                                    separate layers, so the plan may cut inside a block)
+Each row prints `RESULT ...` with tokens/s, peak GiB per rank, MFU per GPU and, where a plan gives it, the
+predicted step time; $OUT/results.md (or --out) gets the markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from pipeflow.mfu import PEAK_TFLOPS  # noqa: E402
+from pipeflow.spec import build_model  # noqa: E402
+
+GPT = {"layers": 24, "d_model": 2048, "heads": 16, "seq_len": 1024, "vocab": 32000, "dataset": "synthetic"}
+# >= 10B parameters: 50 blocks of 12 d^2 = 201M each, plus 2 x 32000 x 4096 embedding and head: 10.3B
+# (benchmarks/gpu/README.md, "The large model", for the memory arithmetic).
+BIG = {"layers": 50, "d_model": 4096, "heads": 32, "seq_len": 1024, "vocab": 32000, "dataset": "synthetic"}
+TINY = {"layers": 4, "d_model": 32, "heads": 2, "seq_len": 16, "vocab": 256, "dataset": "synthetic"}
+DEFAULT_ROWS = ("single 8; ddp 8; torch 1F1B 8; torch 1F1B 4; torch 1F1B 2; torch Interleaved1F1B 2; "
+                "torch InterleavedZeroBubble 2; pf 1f1b 8 8 plan; pf 1f1b 4 16 plan; pf 1f1b 2 32 plan; "
+                "pf 1f1b 8 8 plan sub; pf 1f1b 4 16 plan sub; pf 1f1b 2 32 spot; pf 2bw 8 8 plan; "
+                "pf async 2 32 plan; pf async 8 8 plan")
+CPU_ROWS = "single 2; ddp 2; torch 1F1B 2; pf 1f1b 2 4 plan sub; pf async 2 4 spot"  # 8 sequences per step
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--cpu", action="store_true", help="tiny GPT on CPU ranks (gloo, float32): checks the harness")
+    p.add_argument("--rows", default=None, help=f"default (GPU): {DEFAULT_ROWS!r}")
+    p.add_argument("--sequences", type=int, default=None,
+                   help="sequences per optimizer step, every row (default 64; --cpu: 8); pf rows: MB x M")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--model-args", default=None, help="the GPT of every row but 'big' (JSON)")
+    p.add_argument("--big-args", default=json.dumps(BIG), help="the GPT of the 'big' rows (JSON)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="per GPU (default: pipeflow.mfu's table)")
+    p.add_argument("--topology", default=None, help="for pipeflow-plan (default: GPUSx300GB/s, NVLink)")
+    p.add_argument("--out", default=None, help="results.md here (default: $OUT/results.md, else ./results.md)")
+    p.add_argument("--timeout", type=int, default=420, help="seconds per row")
+    return p.parse_args(argv)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.a = args
+        args.sequences = args.sequences or (8 if args.cpu else 64)
+        self.n = 2 if args.cpu else args.gpus
+        self.device, self.dtype = ("cpu", "float32") if args.cpu else ("cuda", "bfloat16")
+        self.gpt = json.loads(args.model_args) if args.model_args else (TINY if args.cpu else GPT)
+        self.big = json.loads(args.big_args)
+        self.work = Path(os.environ.get("OUT") or ".") / "bench"
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.peak, self.card = self._peak()
+        self.rows: list[dict[str, str]] = []
+        self._flops: dict[str, float] = {}
+        self.env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "PIPEFLOW_LOG": "INFO",
+                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if args.cpu else "8")}
+
+    def _peak(self) -> tuple[float | None, str]:
+        if self.a.cpu:
+            return self.a.peak_tflops, "CPU"
+        import torch
+
+        name = torch.cuda.get_device_name(0)
+        if self.a.peak_tflops is not None:
+            return self.a.peak_tflops, name
+        return next((half for key, half, _ in PEAK_TFLOPS if key in name), None), name
+
+    # ------------------------------------------------------------ running
+    def sh(self, cmd: list[str], log: Path) -> tuple[int, str]:
+        t0 = time.time()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=self.a.timeout)
+            out, rc = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            out, rc = f"{e.stdout or ''}{e.stderr or ''}\nTIMEOUT after {self.a.timeout} s", 124
+        log.write_text(f"$ {shlex.join(cmd)}\n# {time.time() - t0:.1f} s, rc {rc}\n{out}")
+        return rc, out
+
+    def torchrun(self, script: str, nproc: int, extra: list[str], log: Path) -> tuple[int, str]:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(ROOT / "benchmarks/gpu" / script), "--device", self.device, "--dtype", self.dtype,
+               "--steps", str(self.a.steps), *extra]
+        return self.sh(cmd, log)
+
+    def model_flops(self, cfg: dict[str, object]) -> float:
+        """FLOPs per sequence from the model spec, built on the meta device (no memory: the large model is 10 B)."""
+        key = json.dumps(cfg, sort_keys=True)
+        if key not in self._flops:
+            import torch
+
+            with torch.device("meta"):
+                spec = build_model("gpt", cfg)
+            self._flops[key] = float(spec.flops_per_sample or 0.0)
+        return self._flops[key]
+
+    def add(self, name: str, config: str, gpus: int, rc: int, out: str, cfg: dict[str, object],
+            predicted: float | None = None, tokens: float | None = None, peak: str | None = None,
+            sequences: int | None = None) -> None:
+        if tokens is None:
+            m = (re.search(r"RESULT .*tokens_per_s=([0-9.]+)", out)
+                 or re.search(r"steady state.* ([0-9.]+) tokens/s", out))
+            tokens = float(m.group(1)) if m else None
+            if tokens is not None and rc != 0:  # measured, then failed at teardown (gloo's, seen on CPU): say so
+                config += f" [exit {rc} after its result]"
+        if peak is None:
+            m = re.search(r"peak_gib=([0-9.]+)", out)
+            peak = m.group(1) if m else "-"
+        mfu = (tokens / int(cfg["seq_len"]) * self.model_flops(cfg) / (gpus * self.peak * 1e12)
+               if tokens and self.peak else None)
+        seqs = sequences or self.a.sequences
+        measured = 1e3 * seqs * int(cfg["seq_len"]) / tokens if tokens else None
+        row = {"run": name, "config": config, "tokens/s": f"{tokens:.0f}" if tokens else f"FAILED (rc {rc})",
+               "peak GiB/rank": peak, "MFU/GPU": f"{100 * mfu:.1f}%" if mfu is not None else "-",
+               "step ms": f"{measured:.1f}" if measured else "-",
+               "predicted ms": f"{predicted:.1f}" if predicted else "-"}
+        self.rows.append(row)
+        print("RESULT " + " ".join(f"{k.replace(' ', '_')}={v.replace(' ', '_')}" for k, v in row.items()), flush=True)
+        if rc != 0:
+            tail = [ln for ln in out.splitlines() if ln.strip()][-3:]
+            print("  " + "\n  ".join(tail), flush=True)
+
+    # ------------------------------------------------------------ rows
+    def single(self, mb: int) -> None:
+        log = self.work / f"single-{mb}.log"
+        cmd = [sys.executable, str(ROOT / "benchmarks/gpu/bench_ddp.py"), "--device", self.device, "--dtype",
+               self.dtype, "--steps", str(self.a.steps), "--microbatch-size", str(mb), "--sequences",
+               str(self.a.sequences), "--model-args", json.dumps(self.gpt)]
+        rc, out = self.sh(cmd, log)
+        self.add("1 GPU", f"{mb} x {self.a.sequences // mb}", 1, rc, out, self.gpt)
+
+    def ddp(self, mb: int) -> None:
+        rc, out = self.torchrun("bench_ddp.py", self.n, ["--microbatch-size", str(mb), "--sequences",
+                                                        str(self.a.sequences), "--model-args", json.dumps(self.gpt)],
+                                self.work / f"ddp-{mb}.log")
+        self.add(f"DDP x{self.n}", f"{mb} per microbatch, {self.a.sequences // self.n} per rank", self.n, rc, out,
+                 self.gpt)
+
+    def torch(self, schedule: str, mb: int, split: str | None = None) -> None:
+        stages = self.n * (1 if schedule in ("1F1B", "GPipe") else 2)
+        split = split or ",".join(map(str, even_split(int(self.gpt["layers"]), stages)))
+        m = self.a.sequences // mb
+        rc, out = self.torchrun("bench_torch_pp.py", self.n, ["--schedule", schedule, "--split", split,
+                                                             "--microbatches", str(m), "--microbatch-size", str(mb),
+                                                             "--model-args", json.dumps(self.gpt)],
+                                self.work / f"torch-{schedule}-{mb}.log")
+        self.add(f"torch {schedule}", f"{mb} x {m}, layers {split}", self.n, rc, out, self.gpt)
+
+    def profile(self, cfg: dict[str, object], mb: int, tag: str) -> Path | None:
+        path = self.work / f"profile-{tag}-{mb}.json"
+        if not path.exists():
+            rc, out = self.sh(["pipeflow-profile", "--model", "gpt", "--model-args", json.dumps(cfg),
+                               "--microbatch-size", str(mb), "--device", self.device, "--dtype", self.dtype,
+                               "-o", str(path)], self.work / f"profile-{tag}-{mb}.log")
+            if rc != 0:
+                print(f"  pipeflow-profile failed (rc {rc}): {out.strip().splitlines()[-1:]}", flush=True)
+                return None
+        return path
+
+    def plan(self, prof: Path, schedule: str, m: int, split: str, tag: str) -> tuple[Path | None, str]:
+        """plan.json: pipeflow-plan's (split "plan"), or the given split priced by pipeflow-plan --evaluate."""
+        topo = self.a.topology or f"{self.n}x300GB/s"
+        out_path = self.work / f"plan-{tag}.json"
+        common = ["--topology", topo, "--optimizer", "adam", "-o", str(out_path), str(prof)]
+        if not self.a.cpu:  # the card's memory: a plan for the large model must not replicate what cannot fit
+            import torch
+
+            common[:0] = ["--memory-per-worker", str(torch.cuda.get_device_properties(0).total_memory)]
+        if split == "plan":
+            cmd = ["pipeflow-plan", "--workers", str(self.n), "--schedule", schedule, "--microbatches", str(m),
+                   *common]
+        else:
+            counts = [int(c) for c in split.split(",")]
+            bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
+            given = {"format": "pipeflow.plan/1", "schedule": schedule, "microbatches": m, "workers": len(counts),
+                     "stages": [{"layers": [a, b], "replicas": 1, "ranks": [i]}
+                                for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]}
+            src = self.work / f"given-{tag}.json"
+            src.write_text(json.dumps(given))
+            cmd = ["pipeflow-plan", "--evaluate", str(src), *common]
+        rc, out = self.sh(cmd, self.work / f"plan-{tag}.log")
+        if rc != 0:
+            return None, out.strip().splitlines()[-1] if out.strip() else f"rc {rc}"
+        plan = json.loads(out_path.read_text())
+        return out_path, ",".join(f"{st['layers'][1] - st['layers'][0]}" + (f"(x{st['replicas']})" if
+                                  st["replicas"] > 1 else "") for st in plan["stages"])
+
+    def pf(self, schedule: str, mb: int, m: int, split: str, big: bool = False, sub: bool = False) -> None:
+        cfg = self.big if big else self.gpt
+        if sub:
+            cfg = {**cfg, "granularity": "sublayer"}
+        tag = f"{'big-' if big else ''}{'sub-' if sub else ''}{schedule}-{mb}x{m}-{split.replace(',', '_')}"
+        name = f"pipeflow {schedule}" + (" (large model)" if big else "") + (", sublayers" if sub else "")
+        cmd = ["mpirun", "-np", str(self.n), sys.executable, "-m", "pipeflow.train", "--model", "gpt", "--model-args",
+               json.dumps(cfg), "--device", self.device, "--dtype", self.dtype, "--optimizer", "adam", "--lr", "1e-4",
+               "--steps", str(self.a.steps), "--log-every", str(max(1, self.a.steps // 3)),
+               "--microbatch-size", str(mb), "--microbatches", str(m), "--schedule", schedule]
+        predicted, shown = None, split
+        if split != "spot":
+            prof = self.profile(cfg, mb, ("big" if big else "gpt") + ("-sub" if sub else ""))
+            path, shown = self.plan(prof, schedule, m, split, tag) if prof else (None, "no profile")
+            if path is None:
+                if split == "plan":
+                    self.add(name, f"{mb} x {m}, plan: {shown}", self.n, 1, shown, cfg)
+                    return
+                cmd += ["--layers-per-stage", split]
+                shown = split
+            else:
+                cmd += ["--plan", str(path)]
+                predicted = json.loads(path.read_text()).get("predicted", {}).get("step_ms")
+        if self.peak:
+            cmd += ["--peak-tflops", str(self.peak)]
+        rc, out = self.sh(cmd, self.work / f"pf-{tag}.log")
+        if split == "spot":
+            got = re.search(r"'step_ms': ([0-9.e+-]+)", out)
+            predicted = float(got.group(1)) if got else None
+        peaks = re.search(r"peak GPU memory per rank \(GiB\): \[([^\]]*)\]", out)
+        peak = "/".join(x.strip() for x in peaks.group(1).split(",")) if peaks else "-"
+        note = "" if mb * m == self.a.sequences else f" ({mb * m} sequences per step)"
+        self.add(name, f"{mb} x {m}, {split}" + (f" {shown}" if shown != split else "") + note, self.n, rc, out, cfg,
+                 predicted=predicted, peak=peak, sequences=mb * m)
+
+    def run(self, rows: str) -> None:
+        for text in [r.strip() for r in rows.split(";") if r.strip()]:
+            w = text.split()
+            print(f"=== {text} ({time.strftime('%H:%M:%S')})", flush=True)
+            try:
+                if w[0] == "single":
+                    self.single(int(w[1]))
+                elif w[0] == "ddp":
+                    self.ddp(int(w[1]))
+                elif w[0] == "torch":
+                    self.torch(w[1], int(w[2]), w[3] if len(w) > 3 else None)
+                elif w[0] in ("pf", "big"):
+                    if len(w) > 5 and w[5] != "sub":
+                        raise ValueError(f"the 6th word of a {w[0]} row can only be 'sub', found {w[5]!r}")
+                    self.pf(w[1], int(w[2]), int(w[3]), w[4], big=w[0] == "big", sub=len(w) > 5)
+                else:
+                    raise ValueError(f"unknown row kind {w[0]!r}")
+            except (IndexError, ValueError) as e:
+                print(f"RESULT row {text!r} not understood: {e}", flush=True)
+
+    def table(self) -> str:
+        cols = ["run", "config", "tokens/s", "peak GiB/rank", "MFU/GPU", "step ms", "predicted ms"]
+        lines = [f"{self.n if not self.a.cpu else 2} x {self.card}, {time.strftime('%Y-%m-%d')}, "
+                 f"{self.a.sequences} sequences per step, GPT {json.dumps(self.gpt)}, peak "
+                 f"{self.peak if self.peak else '?'} TFLOP/s per device", "",
+                 "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(r[c] for c in cols) + " |" for r in self.rows]
+        return "\n".join(lines) + "\n"
+
+
+def even_split(blocks: int, stages: int) -> list[int]:
+    """Layer counts: the blocks as even as possible (the earlier stages take the remainder), the embedding on the
+    first stage and the head on the last."""
+    counts = [blocks // stages + (1 if s < blocks % stages else 0) for s in range(stages)]
+    counts[0] += 1
+    counts[-1] += 1
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    bench = Bench(args)
+    bench.run(args.rows or (CPU_ROWS if args.cpu else DEFAULT_ROWS))
+    out = Path(args.out) if args.out else Path(os.environ.get("OUT") or ".") / "results.md"
+    out.write_text(bench.table())
+    print(bench.table())
+    return 0 if all(not r["tokens/s"].startswith("FAILED") for r in bench.rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
