@@ -92,7 +92,7 @@ def resolve_warmup(text: str, plan: Plan) -> list[int] | None:
 def check_ties(spec: ModelSpec, plan: Plan) -> None:
     """A Parameter shared by layers of several stages trains as one under gpipe and 1f1b (engine.py);
     the asynchronous schedules would give its copies different weight versions: refuse them here."""
-    from pipeflow.engine import tied_async_error
+    from pipeflow.links import tied_async_error
     from pipeflow.reduce import find_ties
 
     if not schedule_kind(plan.schedule).ties_allowed:

@@ -23,8 +23,8 @@ from pipeflow.actions import (
 from pipeflow.kinds import SCHEDULES, TABLE, ScheduleKind, fill_warmup, schedule_kind, warmup_forwards
 
 __all__ = ["COMPUTE", "KINDS", "SCHEDULES", "STEP", "TABLE", "Action", "B", "F", "Kind", "Schedule", "ScheduleError",
-           "ScheduleKind", "add_communication", "compute_order", "compute_orders", "dependencies", "dry_run", "fill_warmup",
-           "from_lists", "generate", "schedule_kind", "validate", "warmup_forwards"]
+           "ScheduleKind", "add_communication", "compute_order", "compute_orders", "dependencies", "dry_run",
+           "fill_warmup", "from_lists", "generate", "schedule_kind", "validate", "warmup_forwards"]
 
 
 def compute_order(name: str, microbatches: int, replicas: Sequence[int], worker_mbs: list[int], stage: int, *,
@@ -168,7 +168,7 @@ def validate(sched: Schedule) -> None:
         for k in held:
             st = names.get(k, k if chunked else None)
             for i in sorted(mine):
-                def at(kind: Kind, k: int = k, i: int = i) -> int:
+                def at(kind: Kind, k: int = k, i: int = i, seen: dict[tuple[Kind, int, int], int] = seen) -> int:
                     return seen[(kind, k, i)]
 
                 def name(kind: Kind, st: int | None = st, i: int = i) -> str:

@@ -30,7 +30,8 @@ def test_table_names_and_lookup():
     assert SCHEDULES == ("gpipe", "1f1b", "async", "2bw", "interleaved") == tuple(k.name for k in TABLE)
     for k in TABLE:
         assert schedule_kind(k.name) is k
-    with pytest.raises(ScheduleError, match=r"^unknown schedule 'zb'; expected one of gpipe, 1f1b, async, 2bw, interleaved$"):
+    with pytest.raises(ScheduleError,
+                       match=r"^unknown schedule 'zb'; expected one of gpipe, 1f1b, async, 2bw, interleaved$"):
         schedule_kind("zb")
     import partitioner.planner
     import pipeflow.schedule
