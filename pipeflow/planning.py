@@ -29,9 +29,9 @@ def make_plan(args: argparse.Namespace, spec: ModelSpec, world_size: int, rank: 
     return plan
 
 
-def virtual_stages(args: argparse.Namespace) -> int:
+def virtual_stages(args: argparse.Namespace, schedule: str | None = None) -> int:
     """--virtual-stages, or the default of the schedule: 2 where chunks are placed round-robin, else 1."""
-    kind = schedule_kind(args.schedule or "1f1b")
+    kind = schedule_kind(schedule or args.schedule or "1f1b")
     v = getattr(args, "virtual_stages", None)
     if v is not None and v < 1:
         raise UsageError(f"--virtual-stages must be >= 1, found {v}")
@@ -44,7 +44,6 @@ def virtual_stages(args: argparse.Namespace) -> int:
 
 def _make_plan(args: argparse.Namespace, spec: ModelSpec, world_size: int, rank: int, mpi: Any) -> Plan:
     n = len(spec.layers)
-    v = virtual_stages(args)
     if args.plan:
         plan = Plan.load(args.plan)
         plan.validate(num_layers=n, world_size=world_size)
@@ -56,12 +55,14 @@ def _make_plan(args: argparse.Namespace, spec: ModelSpec, world_size: int, rank:
                 plan.validate()
             except PlanError as e:
                 raise PlanError(f"{args.plan}: {e}") from None
+        v = virtual_stages(args, plan.schedule)
         if getattr(args, "virtual_stages", None) is not None and v != plan.virtual_stages:
             raise UsageError(f"--virtual-stages {v} but {args.plan} places {plan.virtual_stages} stage(s) on each "
                              "rank group; drop the flag or plan again")
         return plan
     from partitioner.plan import even_plan
 
+    v = virtual_stages(args)
     if not args.layers_per_stage:
         return plan_on_the_spot(args, spec, world_size, rank, mpi, v)
     counts = None

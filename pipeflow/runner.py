@@ -126,5 +126,7 @@ def save_model(engine: Any, path: str, comm: Any, checkpoint_dir: str | None = N
         full: dict[str, torch.Tensor] = {}
         for _, part in sorted((p for p in parts if p is not None), key=lambda p: p[0]):
             full.update(part)
+        # A rank holding several chunks (interleaved) sends non-adjacent layers: order the keys by layer.
+        full = dict(sorted(full.items(), key=lambda kv: int(kv[0].partition(".")[0])))
         error = write_model(full, path, checkpoint_dir)
     return comm.bcast(error, root=0)
