@@ -58,10 +58,10 @@ class StepGuard:
         """[bad_grad, bad_loss] on this stage's device, without reading them."""
         e = self.engine
         dev = e.world.device
-        grads = [p.grad for p in e.stage.parameters() if p.grad is not None]
+        grads = [p.grad for p in e.parameters() if p.grad is not None]
         ok_grad = (torch.stack([g.isfinite().all() for g in grads]).all() if grads
                    else torch.ones((), dtype=torch.bool, device=dev))
-        ok_loss = (torch.stack(e.losses[-self.losses_per_step:]).isfinite().all() if e.stage.last and e.losses
+        ok_loss = (torch.stack(e.losses[-self.losses_per_step:]).isfinite().all() if e.holds_last and e.losses
                    else torch.ones((), dtype=torch.bool, device=dev))
         return torch.stack([~ok_grad.to(dev), ~ok_loss.to(dev)])
 
