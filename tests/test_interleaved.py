@@ -220,7 +220,8 @@ def test_train_flags_give_one_clear_line(tmp_path):
                             "2 places chunks round-robin, which only --schedule interleaved runs, found '1f1b'")
     with pytest.raises(UsageError) as e:
         make_plan(_train_args("--plan", str(path), "--virtual-stages", "3"), spec, 3, 0, None)
-    assert str(e.value) == f"--virtual-stages 3 but {path} places 2 stage(s) on each rank group; drop the flag or plan again"
+    assert str(e.value) == (f"--virtual-stages 3 but {path} places 2 stage(s) on each rank group; drop the flag "
+                            "or plan again")
     assert make_plan(_train_args("--plan", str(path)), spec, 3, 0, None).virtual_stages == 2
 
 
