@@ -258,6 +258,8 @@ def test_planner_gives_balanced_chunks_round_robin(tmp_path):
     assert [st.layers for st in plan.stages] == [(0, 1), (1, 4), (4, 7), (7, 8)]
     assert [st.ranks for st in plan.stages] == [[0], [1], [0], [1]] and plan.virtual_stages == 2
     assert plan.predicted["step_ms"] == pytest.approx(got.sim.step_ms) and got.sim.schedule.virtual_stages == 2
+    from partitioner.service import evaluate_plan
+    assert evaluate_plan(prof, plan).plan.predicted == plan.predicted  # a round-robin plan priced as written
     auto = plan_detailed(prof, 2, schedule="interleaved", microbatches="auto", virtual_stages=2).plan
     assert auto.microbatches % 2 == 0 and auto.predicted["bubble_fraction"] <= 0.10
     from partitioner.cli import main
