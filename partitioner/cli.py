@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--schedule", choices=SCHEDULES, default=None, help="default 1f1b (--evaluate: the plan's)")
     p.add_argument("--microbatches", default=None, help="m, or auto (default; --evaluate: the plan's)")
     p.add_argument("--straight", action="store_true", help="no replicated stages")
+    p.add_argument("--virtual-stages", type=int, default=2, metavar="V",
+                   help="--schedule interleaved: model chunks per rank, placed round-robin (default 2); "
+                        "--microbatches must be a multiple of --workers")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES), default="adam")
     p.add_argument("--evaluate", metavar="PLAN", default=None,
                    help="price this plan.json instead of planning: write it to -o with 'predicted' filled")
@@ -118,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
             planned = plan_detailed(profile, args.workers, schedule=args.schedule or "1f1b", microbatches=mb,
                                     topology=args.topology, memory_per_worker=args.memory_per_worker,
                                     straight=args.straight, optimizer=args.optimizer,
-                                    keep_timeline=args.timeline is not None)
+                                    keep_timeline=args.timeline is not None,
+                                    virtual_stages=args.virtual_stages
+                                    if schedule_kind(args.schedule or "1f1b").chunk_order is not None else 1)
         if args.timeline:
             from partitioner.timeline import draw
             draw(planned, args.timeline)

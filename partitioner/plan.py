@@ -1,4 +1,8 @@
-"""plan.json (`pipeflow.plan/1`): Plan dataclasses, load/save/validate (docs/formats.md)."""
+"""plan.json (`pipeflow.plan/1`): Plan dataclasses, load/save/validate (docs/formats.md).
+
+Under a schedule that places chunks round-robin (`interleaved`), a plan lists S*v stages over S rank groups:
+stage k has the ranks of stage k mod S, which is how a reader tells S (the first stage repeating stage 0's
+ranks) and v."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -6,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.jsonfile import check_fields, read_json, write_json
-from pipeflow.schedule import SCHEDULES
+from pipeflow.schedule import SCHEDULES, schedule_kind
 
 PLAN_FORMAT = "pipeflow.plan/1"
 
@@ -43,8 +47,20 @@ class Plan:
         self.validate()
 
     @property
+    def groups(self) -> int:
+        """Rank groups S: the stages before the first that repeats stage 0's ranks (all, when none does)."""
+        return next((k for k in range(1, len(self.stages)) if self.stages[k].ranks == self.stages[0].ranks),
+                    len(self.stages))
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages per rank group v (chunks placed round-robin); 1 for a plan where every rank appears once."""
+        return len(self.stages) // self.groups if self.stages else 1
+
+    @property
     def replicas(self) -> list[int]:
-        return [s.replicas for s in self.stages]
+        """Replica count of each rank group (of each stage, when every rank holds one stage)."""
+        return [s.replicas for s in self.stages[:self.groups]]
 
     @property
     def num_layers(self) -> int:
@@ -72,6 +88,13 @@ class Plan:
             start = st.layers[1]
         ranks = [r for st in self.stages for r in st.ranks]
         dup = sorted({r for r in ranks if ranks.count(r) > 1})
+        if dup and self._round_robin():
+            if schedule_kind(self.schedule).chunk_order is None:
+                raise PlanError(f"plan lists ranks {dup} more than once: stage k on the ranks of stage k mod "
+                                f"{self.groups} places chunks round-robin, which only --schedule interleaved runs, "
+                                f"found {self.schedule!r}")
+            ranks = [r for st in self.stages[:self.groups] for r in st.ranks]
+            dup = sorted({r for r in ranks if ranks.count(r) > 1})
         if dup:
             raise PlanError(f"plan lists ranks {dup} more than once; every rank must appear exactly once")
         if sorted(ranks) != list(range(self.workers)):
@@ -82,6 +105,11 @@ class Plan:
         if world_size is not None and world_size != self.workers:
             raise PlanError(f"plan is for {self.workers} workers but {world_size} processes were started; "
                             f"run mpirun -np {self.workers}")
+
+    def _round_robin(self) -> bool:
+        """Stage k runs on the ranks of stage k mod S, for S < the number of stages (interleaved chunks)."""
+        S, n = self.groups, len(self.stages)
+        return S < n and n % S == 0 and all(st.ranks == self.stages[k % S].ranks for k, st in enumerate(self.stages))
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"format": PLAN_FORMAT, "schedule": self.schedule, "microbatches": self.microbatches,
@@ -132,12 +160,18 @@ class Plan:
 
 
 def even_plan(num_layers: int, stages: int, *, schedule: str, microbatches: int,
-              layer_counts: list[int] | None = None) -> Plan:
+              layer_counts: list[int] | None = None, virtual_stages: int = 1) -> Plan:
     """A straight plan of `stages` single-replica stages, layers split as evenly as possible
-    (earlier stages take the remainder) or by explicit `layer_counts`."""
+    (earlier stages take the remainder) or by explicit `layer_counts`. With `virtual_stages` v, the
+    layers are split into stages*v chunks and chunk k runs on rank k mod stages (round-robin)."""
     if stages < 1:
         raise PlanError(f"need at least one stage, found {stages}")
+    workers = stages
+    stages *= virtual_stages
     if layer_counts is None:
+        if stages > num_layers and virtual_stages > 1:
+            raise PlanError(f"cannot split {num_layers} layers into {stages} stages ({workers} ranks x "
+                            f"--virtual-stages {virtual_stages}): use fewer virtual stages or processes")
         if stages > num_layers:
             raise PlanError(f"cannot split {num_layers} layers into {stages} stages: "
                             f"use at most {num_layers} processes or a model with more layers")
@@ -147,6 +181,6 @@ def even_plan(num_layers: int, stages: int, *, schedule: str, microbatches: int,
         raise PlanError(f"layer counts {layer_counts} must be {stages} positive numbers summing to {num_layers}")
     out, start = [], 0
     for s, n in enumerate(layer_counts):
-        out.append(StagePlan((start, start + n), 1, [s]))
+        out.append(StagePlan((start, start + n), 1, [s % workers]))
         start += n
-    return Plan(schedule, microbatches, stages, out)
+    return Plan(schedule, microbatches, workers, out)

@@ -52,8 +52,11 @@ def price(lay: LayerCosts, topology: Topology, schedule: str, microbatches: int,
           keep_timeline: bool = False) -> tuple[list[StageCost], SimResult]:
     """Stage costs and the simulation of the plan (ranks per stage in replica order)."""
     costs = stage_costs(lay, topology, ranges, ranks)
+    # Stage k on the ranks of stage k mod S (chunks placed round-robin, partitioner/plan.py): v = stages / S.
+    groups = next((k for k in range(1, len(ranks)) if list(ranks[k]) == list(ranks[0])), len(ranks))
     sim = simulate(schedule, costs, [len(r) for r in ranks], microbatches, optimizer=optimizer,
-                   keep_timeline=keep_timeline, ranks=ranks, topology=topology)
+                   keep_timeline=keep_timeline, ranks=ranks, topology=topology,
+                   virtual_stages=len(ranks) // groups)
     return costs, sim
 
 

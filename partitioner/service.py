@@ -170,7 +170,8 @@ def _check_microbatches(microbatches: object) -> None:
 
 def plan_detailed(profile: Profile, workers: int, *, schedule: str = "1f1b", microbatches: int | str = "auto",
                   topology: Topology | str | None = None, memory_per_worker: int | str | None = None,
-                  straight: bool = False, optimizer: str = "adam", keep_timeline: bool = False) -> Planned:
+                  straight: bool = False, optimizer: str = "adam", keep_timeline: bool = False,
+                  virtual_stages: int = 1) -> Planned:
     topo = _topology(workers, topology)
     if microbatches != "auto":
         _check_microbatches(microbatches)
@@ -179,6 +180,9 @@ def plan_detailed(profile: Profile, workers: int, *, schedule: str = "1f1b", mic
     if schedule not in SCHEDULES:
         raise PlanningError(f"--schedule must be one of {', '.join(SCHEDULES)}, found {schedule!r}")
     lay = layer_costs(profile, schedule, optimizer)
+    if schedule_kind(schedule).chunk_order is not None or virtual_stages != 1:
+        return _chunked(profile, lay, topo, schedule, microbatches, workers, virtual_stages, optimizer,
+                        None if memory_per_worker is None else float(memory_per_worker), keep_timeline)
 
     def model_for(m: int) -> CostModel:
         return CostModel(lay, topo, schedule, m, optimizer,
@@ -192,6 +196,22 @@ def plan_detailed(profile: Profile, workers: int, *, schedule: str = "1f1b", mic
     # only when m >= (1 - AUTO_BUBBLE) workers. Smaller m need not be planned.
     least = math.ceil((1 - AUTO_BUBBLE) * workers) if schedule_kind(schedule).flush else 1
     return _auto_microbatches(lambda m: _plan_once(profile, model_for(m), workers, keep_timeline), least)
+
+
+def _chunked(profile: Profile, lay: LayerCosts, topo: Topology, schedule: str, microbatches: int | str, workers: int,
+             v: int, optimizer: str, memory: float | None, keep_timeline: bool) -> Planned:
+    """Interleaved plans (partitioner/chunks.py): balanced chunks placed round-robin, no replicas."""
+    from partitioner.chunks import plan_interleaved, plan_interleaved_auto
+
+    if schedule_kind(schedule).chunk_order is None:
+        raise PlanningError(f"--virtual-stages {v} needs --schedule interleaved, found {schedule}")
+    kw = {"optimizer": optimizer, "microbatch_size": profile.microbatch_size, "memory_per_worker": memory,
+          "keep_timeline": keep_timeline}
+    if microbatches == "auto":
+        return Planned(*plan_interleaved_auto(lay, topo, schedule, workers, v, bubble=AUTO_BUBBLE,
+                                              most=AUTO_MAX_MICROBATCHES, **kw))
+    assert isinstance(microbatches, int)
+    return Planned(*plan_interleaved(lay, topo, schedule, microbatches, workers, v, **kw))  # type: ignore[arg-type]
 
 
 def _auto_microbatches(plan_at: Callable[[int], Planned], least: int = 1) -> Planned:
@@ -237,11 +257,12 @@ def _auto_microbatches(plan_at: Callable[[int], Planned], least: int = 1) -> Pla
 
 def plan_from_profile(profile: Profile, workers: int, *, schedule: str, microbatches: int | str,
                       topology: Topology | str | None = None, memory_per_worker: int | str | None = None,
-                      straight: bool = False, optimizer: str = "adam") -> Plan:
+                      straight: bool = False, optimizer: str = "adam", virtual_stages: int = 1) -> Plan:
     """In-process API for the runtime: the plan for `workers` ranks; raises PlanningError / TopologyError
     (both ValueError) with a one-line message."""
     return plan_detailed(profile, workers, schedule=schedule, microbatches=microbatches, topology=topology,
-                         memory_per_worker=memory_per_worker, straight=straight, optimizer=optimizer).plan
+                         memory_per_worker=memory_per_worker, straight=straight, optimizer=optimizer,
+                         virtual_stages=virtual_stages).plan
 
 
 def evaluate_plan(profile: Profile, plan: Plan, *, topology: Topology | str | None = None,

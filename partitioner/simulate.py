@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from partitioner.topology import Topology
 from pipeflow.actions import Kind, Schedule, ScheduleError
 from pipeflow.kinds import ScheduleKind, schedule_kind
-from pipeflow.schedule import add_communication
+from pipeflow.schedule import add_communication, compute_orders
 
 OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2}
 
@@ -78,15 +78,11 @@ class _Schedule(Schedule):
 
 
 def build(name: str, stages: int, microbatches: int, replicas: Sequence[int], *,
-          minibatch: int | None = None) -> Schedule:
+          minibatch: int | None = None, virtual_stages: int = 1) -> Schedule:
     """The generated schedule, as pipeflow.schedule.generate builds it, without its validation and dry run
-    (the generators are tested; the replay below detects a deadlock itself)."""
-    reps = tuple(replicas)
-    sched = _Schedule(name, stages, microbatches, reps)
-    kind = schedule_kind(name)
-    orders = [kind.order(list(range(r, microbatches, reps[s])), microbatches, reps, s, minibatch, None)
-              for s in range(stages) for r in range(reps[s])]
-    sched.actions = add_communication(sched, orders)
+    (the generators are tested; the replay below detects a deadlock itself). `stages` counts rank groups."""
+    sched = _Schedule(name, stages, microbatches, tuple(replicas), virtual_stages=virtual_stages)
+    sched.actions = add_communication(sched, compute_orders(sched, minibatch=minibatch))
     return sched
 
 
@@ -94,17 +90,21 @@ def replay(sched: Schedule, stages: Sequence[StageCost], *, ranks: Sequence[Sequ
            topology: Topology | None = None, keep_timeline: bool = False
            ) -> tuple[float, list[float], list[Interval], list[int]]:
     """Times every action (see the module docstring). Returns the makespan, busy compute ms per worker,
-    the intervals (with keep_timeline) and the peak in-flight microbatches per worker."""
-    S, reps = sched.stages, sched.replicas
+    the intervals (with keep_timeline) and the peak in-flight microbatches per worker. `stages` holds one
+    cost per model stage; a rank group holding several (interleaved) steps them all at its STEP."""
+    S, reps, K = sched.stages, sched.replicas, sched.model_stages
     stage_of = [s for s in range(S) for _ in range(reps[s])]
     base = [sum(reps[:s]) for s in range(S + 1)]
     n = len(stage_of)
     msg = _Messages(stages, stage_of, base, ranks, topology)
     acts = sched.actions
+    chunks = [range(g, K, S) for g in range(S)]
+    allreduce_ms = [sum(stages[k].allreduce_ms for k in ks) for ks in chunks]
+    optimizer_ms = [sum(stages[k].optimizer_ms for k in ks) for ks in chunks]
     pos, clock = [0] * n, [0.0] * n
     send_free, recv_free = [0.0] * n, [0.0] * n
-    arrival: dict[tuple[int, Kind, int], float] = {}
-    parked: dict[tuple[int, Kind, int], int] = {}  # a message awaited -> the worker waiting for it
+    arrival: dict[tuple[int, Kind, int, int], float] = {}  # (receiver, F|B, its stage, microbatch) -> when
+    parked: dict[tuple[int, Kind, int, int], int] = {}  # a message awaited -> the worker waiting for it
     busy, live, peak = [0.0] * n, [0] * n, [0] * n
     steps = [0] * n
     last_b = [0.0] * n  # start of the worker's latest backward
@@ -114,15 +114,16 @@ def replay(sched: Schedule, stages: Sequence[StageCost], *, ranks: Sequence[Sequ
     heap = [(0.0, w) for w in range(n)]
     while heap:
         now, w = heapq.heappop(heap)
-        s, mine = stage_of[w], acts[w]
-        cost = stages[s]
+        g, mine = stage_of[w], acts[w]
         while pos[w] < len(mine):
             a = mine[pos[w]]
             kind, i = a.kind, a.microbatch
+            s = g if a.stage is None else a.stage  # the model stage it runs on
+            cost = stages[s]
             if kind is Kind.F or kind is Kind.B or kind is Kind.W:
                 start = clock[w]
-                if (kind is Kind.F and s > 0) or (kind is Kind.B and s < S - 1):
-                    key: tuple[int, Kind, int] = (w, kind, i or 0)
+                if (kind is Kind.F and s > 0) or (kind is Kind.B and s < K - 1):
+                    key: tuple[int, Kind, int, int] = (w, kind, s, i or 0)
                     got = arrival.get(key)
                     if got is None:
                         parked[key] = w
@@ -152,31 +153,31 @@ def replay(sched: Schedule, stages: Sequence[StageCost], *, ranks: Sequence[Sequ
             if kind is Kind.SEND_F or kind is Kind.SEND_B:
                 assert i is not None
                 t = s + 1 if kind is Kind.SEND_F else s - 1
-                peer = base[t] + i % reps[t]
-                d = msg(w, peer)
+                peer = base[t % S] + i % reps[t % S]  # stage t runs on group t mod S
+                d = msg(w, peer, min(s, t))
                 t0 = max(clock[w], send_free[w], recv_free[peer])
                 send_free[w] = recv_free[peer] = t0 + d
-                key = (peer, kind.direction, i)
+                key = (peer, kind.direction, t, i)
                 arrival[key] = t0 + d
                 if key in parked:
                     del parked[key]
                     heapq.heappush(heap, (max(clock[peer], t0 + d), peer))
             elif kind is Kind.STEP:
-                group = (s, steps[w])
+                group = (g, steps[w])
                 start = clock[w]
-                if reps[s] > 1:
+                if reps[g] > 1:
                     if group not in step_end:
                         step_in.setdefault(group, {})[w] = (clock[w], last_b[w])
-                        if len(step_in[group]) < reps[s]:
+                        if len(step_in[group]) < reps[g]:
                             break  # parked until the last replica arrives
                         arrived = step_in.pop(group)
                         step_end[group] = max(max(r for r, _ in arrived.values()),
-                                              max(b for _, b in arrived.values()) + cost.allreduce_ms)
+                                              max(b for _, b in arrived.values()) + allreduce_ms[g])
                         for other in arrived:
                             if other != w:
                                 heapq.heappush(heap, (step_end[group], other))
                     clock[w] = max(clock[w], step_end[group])
-                clock[w] += cost.optimizer_ms
+                clock[w] += optimizer_ms[g]
                 if keep_timeline:
                     intervals.append(Interval(w, "STEP", None, start, clock[w]))
                 steps[w] += 1
@@ -195,56 +196,63 @@ def replay(sched: Schedule, stages: Sequence[StageCost], *, ranks: Sequence[Sequ
 
 
 class _Messages:
-    """ms of one message between two workers of neighbouring stages, computed on first use (a gradient is
-    as large as the activation it belongs to): only pairs that exchange microbatches are ever asked."""
+    """ms of one message between two workers across the boundary after stage s, computed on first use (a
+    gradient is as large as the activation it belongs to): only pairs that exchange microbatches are asked."""
 
     def __init__(self, stages: Sequence[StageCost], stage_of: Sequence[int], base: Sequence[int],
                  ranks: Sequence[Sequence[int]] | None, topology: Topology | None) -> None:
         self.stages, self.stage_of, self.base, self.ranks, self.topology = stages, stage_of, base, ranks, topology
-        self.cache: dict[tuple[int, int], float] = {}
+        self.cache: dict[tuple[int, int, int], float] = {}
 
-    def __call__(self, a: int, b: int) -> float:
-        got = self.cache.get((a, b))
+    def __call__(self, a: int, b: int, s: int) -> float:
+        got = self.cache.get((a, b, s))
         if got is None:
             sa, sb = self.stage_of[a], self.stage_of[b]
-            s = min(sa, sb)
             if self.ranks is not None and self.topology is not None:
                 ra, rb = self.ranks[sa][a - self.base[sa]], self.ranks[sb][b - self.base[sb]]
                 level = self.topology.level_of(ra, rb)
                 got = self.stages[s].output_bytes / (self.topology.levels[level].bandwidth / 1e3)
             else:
                 got = self.stages[s].send_ms
-            self.cache[(a, b)] = got
+            self.cache[(a, b, s)] = got
         return got
 
 
 def _stage_peaks(sched: Schedule, stages: Sequence[StageCost], peak: list[int], kind: ScheduleKind,
                  optimizer: str) -> tuple[list[float], list[int]]:
+    """Per model stage: the peak bytes and in-flight microbatches of its rank group. A group holding several
+    chunks (interleaved) counts all their weights, and its in-flight (chunk, microbatch) pairs at the
+    largest of its chunks' activations."""
     mem, fl = [], []
-    stage_of = [s for s in range(sched.stages) for _ in range(sched.replicas[s])]
-    for s, cost in enumerate(stages):
-        n = max(peak[w] for w in range(len(stage_of)) if stage_of[w] == s)
+    S = sched.stages
+    stage_of = [s for s in range(S) for _ in range(sched.replicas[s])]
+    for s in range(len(stages)):
+        n = max(peak[w] for w in range(len(stage_of)) if stage_of[w] == s % S)
+        mine = stages[s % S::S]
         # Weight stashing (PipeDream §3.3): a version per in-flight microbatch; 2BW: two versions.
-        weights = cost.parameter_bytes * (2 + OPTIMIZER_STATES[optimizer] + kind.stashed_versions(n))
-        mem.append(weights + n * cost.activation_bytes)
+        weights = sum(c.parameter_bytes for c in mine) * (2 + OPTIMIZER_STATES[optimizer] + kind.stashed_versions(n))
+        mem.append(weights + n * max(c.activation_bytes for c in mine))
         fl.append(n)
     return mem, fl
 
 
 def simulate(schedule: str, stages: Sequence[StageCost], replicas: Sequence[int] | None = None,
              microbatches: int = 1, *, optimizer: str = "adam", keep_timeline: bool = False,
-             ranks: Sequence[Sequence[int]] | None = None, topology: Topology | None = None) -> SimResult:
+             ranks: Sequence[Sequence[int]] | None = None, topology: Topology | None = None,
+             virtual_stages: int = 1) -> SimResult:
     """Step time, bubble and memory of `schedule` over the stages. gpipe / 1f1b: one flushed minibatch.
     async / 2bw run without flush: the steady state is the difference of two runs, k and k+2 minibatches
     long, with k large enough to fill the pipeline. With `ranks` (per stage, per replica) and `topology`,
-    each message takes StageCost.output_bytes at the bandwidth of the level joining its two ranks."""
-    reps = tuple(replicas or (1,) * len(stages))
+    each message takes StageCost.output_bytes at the bandwidth of the level joining its two ranks.
+    `virtual_stages` v: the stages are S*v chunks, stage k on rank group k mod S (interleaved)."""
+    groups = len(stages) // virtual_stages
+    reps = tuple(replicas or (1,) * len(stages))[:groups]
     n_workers = sum(reps)
     m = microbatches
     kw = {"ranks": ranks, "topology": topology}
     kind = schedule_kind(schedule)
     if kind.flush:
-        sched = build(schedule, len(stages), m, reps)
+        sched = build(schedule, groups, m, reps, virtual_stages=virtual_stages)
         t, busy, iv, peak = replay(sched, stages, keep_timeline=keep_timeline, **kw)  # type: ignore[arg-type]
         step, compute = t, sum(busy)
     else:

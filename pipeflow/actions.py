@@ -1,7 +1,10 @@
 """The schedule IR: action kinds, actions (`F3`, `SEND_B3`, `STEP`, `1F3`) and per-worker action lists (pure).
 
 A *worker* is one (stage, replica) pair; workers are numbered stage-major, so with replicas (2, 1, 1)
-workers 0, 1 are stage 0 and worker 2 is stage 1. Replica r of stage s runs the microbatches i with
+workers 0, 1 are stage 0 and worker 2 is stage 1. With `virtual_stages` v > 1 (interleaved schedules) the
+model has S*v stages over S rank groups: a worker is (group, replica), model stage k runs on group k % S
+(Megatron's round-robin chunks), and every action but STEP names its model stage (`1F3`); chunk k sends to
+chunk k+1 on the next group, the last group wrapping to group 0. Replica r of stage s runs the microbatches i with
 i % replicas[s] == r (PipeDream's 1F1B-RR), and sends microbatch i to replica i % replicas[s + 1] downstream.
 Like torch pipelining's `_ComputationType` and `_Action(stage, kind, microbatch)`, with a string form that
 round-trips.
@@ -115,10 +118,26 @@ class Schedule:
     microbatches: int
     replicas: tuple[int, ...]
     actions: list[list[Action]] = field(default_factory=list)
+    virtual_stages: int = 1  # v: model stages per rank group (chunks placed round-robin); S*v model stages
 
     def __post_init__(self) -> None:
         if len(self.replicas) != self.stages:
             raise ScheduleError(f"replicas {self.replicas} has {len(self.replicas)} entries, expected {self.stages}")
+        if self.virtual_stages < 1:
+            raise ScheduleError(f"virtual_stages must be >= 1, found {self.virtual_stages}")
+
+    @property
+    def model_stages(self) -> int:
+        """Stages of the model: S*v (S when each group holds one stage)."""
+        return self.stages * self.virtual_stages
+
+    def chunks_of(self, worker: int) -> list[int]:
+        """The model stages a worker holds: its group g, g+S, g+2S, ..."""
+        return list(range(self.stage_of(worker), self.model_stages, self.stages))
+
+    def stage_at(self, worker: int, action: Action) -> int:
+        """The model stage an action runs on: the one it names, else (one stage per group) the worker's."""
+        return self.stage_of(worker) if action.stage is None else action.stage
 
     @property
     def workers(self) -> list[tuple[int, int]]:
@@ -136,13 +155,14 @@ class Schedule:
 
     def peer(self, worker: int, action: Action) -> int:
         """The worker on the other end of a SEND/RECV action."""
-        s = self.stage_of(worker)
+        s = self.stage_at(worker, action)
         assert action.microbatch is not None
         downstream = action.kind in (Kind.SEND_F, Kind.RECV_B)
         t = s + 1 if downstream else s - 1
-        if not 0 <= t < self.stages:
+        if not 0 <= t < self.model_stages:
             raise ScheduleError(f"{action} on stage {s} has no peer stage {t}\n{self.render()}")
-        return self.worker(t, action.microbatch % self.replicas[t])
+        g = t % self.stages  # the group holding stage t (round-robin; t itself when v == 1)
+        return self.worker(g, action.microbatch % self.replicas[g])
 
     def render(self, mark: dict[int, int] | None = None, labels: Sequence[str] | None = None) -> str:
         """Step x worker grid; `mark` maps worker -> step index flagged `<-- ERROR HERE`."""
@@ -153,7 +173,8 @@ class Schedule:
             if i < len(cells[w]):
                 cells[w][i] = f"*{cells[w][i]}*"
         width = max([len(x) for x in labels] + [len(c) for col in cells for c in col] + [4])
-        rows = [f"{self.name} S={self.stages} m={self.microbatches} replicas={list(self.replicas)}",
+        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        rows = [f"{self.name} S={self.stages}{v} m={self.microbatches} replicas={list(self.replicas)}",
                 "step  " + " ".join(x.ljust(width) for x in labels)]
         for step in range(max((len(c) for c in cells), default=0)):
             row = " ".join((col[step] if step < len(col) else "").ljust(width) for col in cells)

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from partitioner.plan import Plan, PlanError, even_plan
 from pipeflow.hooks import Feed, GateFactory, Timing
+from pipeflow.kinds import schedule_kind
 from pipeflow.spec import ModelSpec
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -161,7 +162,8 @@ class Pipeline:
         full: dict[str, torch.Tensor] = {}
         for _, part in sorted((p for p in parts if p is not None), key=lambda p: p[0]):
             full.update(part)
-        return full
+        # A rank holding several chunks (interleaved) sends non-adjacent layers: order the keys by layer.
+        return dict(sorted(full.items(), key=lambda kv: int(kv[0].partition(".")[0])))
 
     def close(self) -> None:
         """Tear down the process groups (NCCL may hang at exit when they are left to the destructor)."""
@@ -181,7 +183,9 @@ def _resolve_plan(plan: Plan | str | None, num_layers: int, world_size: int, sch
     """The plan given (loaded from its path), with `schedule` and `microbatches` overriding its own; or an
     even split over one stage per rank. Checked against the layers and the world (PlanError in one line)."""
     if plan is None:
-        return even_plan(num_layers, world_size, schedule=schedule or "1f1b", microbatches=microbatches or 8)
+        kind = schedule_kind(schedule or "1f1b")  # chunks round-robin (interleaved): two per rank
+        return even_plan(num_layers, world_size, schedule=kind.name, microbatches=microbatches or 8,
+                         virtual_stages=2 if kind.chunk_order is not None else 1)
     if isinstance(plan, str):
         plan = Plan.load(plan)
     elif isinstance(plan, Plan):  # a copy: the overrides below must not change the caller's

@@ -117,6 +117,7 @@ class TrainConfig:
     memory_per_worker: str | None = None
     warmup: str = "min"
     peak_tflops: float | None = None
+    virtual_stages: int | None = None
 
     def __post_init__(self) -> None:
         from pipeflow.kinds import SCHEDULES

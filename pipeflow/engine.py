@@ -1,4 +1,5 @@
-"""Executes one rank's action list: compute, overlapped sends/receives, gradient reduction, steps."""
+"""Executes one rank's action list: compute on the stage each action names, overlapped sends/receives, gradient
+reduction, steps. Channel set-up is in links.py."""
 from __future__ import annotations
 
 import logging
@@ -8,10 +9,11 @@ from typing import Any
 import torch
 
 from partitioner.plan import Plan
-from pipeflow.comm import P2P, World, all_reduce, new_group, new_groups, p2p_group_options
+from pipeflow.comm import P2P, World, all_reduce
 from pipeflow.hooks import Feed, GateFactory, StepGate, Timer, Timing, WeightHooks, WeightPolicy
 from pipeflow.kinds import Weights, schedule_kind
-from pipeflow.reduce import GradReducer, Tie, find_ties
+from pipeflow.links import arm_points, make_links, send_window, tie_groups, tied_async_error, tied_here
+from pipeflow.reduce import GradReducer, find_ties
 from pipeflow.schedule import Action, Kind, Schedule, generate
 from pipeflow.spec import ModelSpec
 from pipeflow.stage import Stage, mark_requires_grad
@@ -20,25 +22,29 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
+    """One rank's share of the pipeline: the stages (model chunks) of its rank group, one per model stage k
+    with k mod S its group (one stage unless the plan interleaves), and their single optimizer."""
+
     def __init__(self, world: World, plan: Plan, spec: ModelSpec, *, schedule: str,
                  optimizer_factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
                  loader: Feed, dtype: torch.dtype | None = None, total_steps: int = 1,
                  timer: Timing | None = None, vertical_sync: bool = False,
                  warmup: list[int] | None = None, segment_steps: int | None = None, seed: int = 0,
                  step_gate: GateFactory | None = None) -> None:
-        # No reference to spec (its layer list) is kept: only this stage's layers stay alive (issue 10).
+        # No reference to spec (its layer list) is kept: only this rank's layers stay alive (issue 10).
         self.world, self.plan, self.loader = world, plan, loader
         self.kind = schedule_kind(schedule)  # the schedule's rules (kinds.py)
         self.m = plan.microbatches
         self.total_steps = total_steps
         self.timer: Timing = timer or Timer()
-        self.s, self.r = plan.stage_of_rank(world.rank)
-        self.S = len(plan.stages)
-        st = plan.stages[self.s]
-        self.stage = Stage(spec.layers[st.layers[0]:st.layers[1]], start=st.layers[0], first=self.s == 0,
-                           last=self.s == self.S - 1, loss_fn=spec.loss_fn, device=world.device, dtype=dtype,
-                           seed=seed)
-        self.optimizer = optimizer_factory(self.stage.parameters())
+        self.s, self.r = plan.stage_of_rank(world.rank)  # rank group (the stage, without interleaving), replica
+        self.S, self.v = plan.groups, plan.virtual_stages
+        K = len(plan.stages)
+        self.stages = {k: Stage(spec.layers[st.layers[0]:st.layers[1]], start=st.layers[0], first=k == 0,
+                                last=k == K - 1, loss_fn=spec.loss_fn, device=world.device, dtype=dtype, seed=seed)
+                       for k, st in enumerate(plan.stages) if k % self.S == self.s}
+        self.stage = self.stages[self.s]  # the first (with one stage per rank, the only) chunk here
+        self.optimizer = optimizer_factory(self.parameters())
         self.flush = self.kind.flush
         self.warmup, self.vertical_sync = warmup, vertical_sync
         # Flush schedules repeat one step's list; asynchronous ones run the microbatches of a segment
@@ -51,27 +57,40 @@ class Engine:
         self.ties = find_ties(spec.layers, [st.layers for st in plan.stages], [st.ranks for st in plan.stages])
         if self.ties and not self.kind.ties_allowed:
             raise ValueError(tied_async_error(self.ties, schedule))
-        self.p2p = P2P(world, self._make_channels(), window=self._send_window())
+        links = make_links(world, plan, self.ties)
+        self.replica_groups, self.loss_group = links.replica_groups, links.loss_group
+        self.p2p = P2P(world, links.p2p, window=send_window(self.sched))
         self.p2p.warm_up()
         self._logged_peak = 0
-        tied = {id(p) for _, p in self._tied_here()}
-        self.tie_reducers = [GradReducer(params, group, overlap=False) for params, group in self._tie_groups()]
-        self.reducer: GradReducer | None = None
+        chunks = list(self.stages.values())
+        tied = {id(p) for _, p in tied_here(self.ties, chunks)}
+        self.tie_reducers = [GradReducer(params, group, overlap=False)
+                             for params, group in tie_groups(self.ties, chunks, links.tie_groups)]
+        self.reducers: dict[int, GradReducer] = {}
+        st = plan.stages[self.s]
         if st.replicas > 1:
             group = self.replica_groups[tuple(st.ranks)]
             # async: PipeDream's replicas are DDP, an update takes the mean of their r gradients; flush
             # schedules scale each microbatch's loss by 1/m, so the sum is already the minibatch mean.
-            self.reducer = GradReducer([p for p in self.stage.parameters() if id(p) not in tied], group,
-                                       average=self.kind.mean_over_replicas)
+            # Several chunks: each reduces in finish(), in chunk order, the same on every replica.
+            self.reducers = {k: GradReducer([p for p in c.parameters() if id(p) not in tied], group,
+                                            average=self.kind.mean_over_replicas, overlap=len(chunks) == 1)
+                             for k, c in self.stages.items()}
         self.policy: WeightHooks = WeightPolicy()
         if self.kind.weights is not Weights.LIVE:
             self._new_policy()
         # Microbatches one STEP of this stage consumes (over its replicas): async steps per backward.
         self.microbatches_per_step = self.kind.microbatches_per_update(self.m, st.replicas)
         self.losses: list[torch.Tensor] = []
-        # Made last: a gate checks this engine's stage, optimizer and actions (guard.StepGuard).
-        self.step_gate: StepGate | None = step_gate(self) if step_gate is not None else None
-        self._received: dict[int, list[torch.Tensor]] = {}  # microbatch -> its received inputs, until its backward
+        self._received: dict[tuple[int, int], list[torch.Tensor]] = {}  # (stage, mb) -> received inputs, to B
+        self.step_gate: StepGate | None = step_gate(self) if step_gate else None  # made last: it reads the engine
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """Every parameter of this rank's chunks, once (a tied one shared by two chunks here is one)."""
+        out: dict[int, torch.nn.Parameter] = {}
+        for c in self.stages.values():
+            out.update((id(p), p) for p in c.parameters())
+        return list(out.values())
 
     # ------------------------------------------------------------------ set-up
 
@@ -80,26 +99,13 @@ class Engine:
         if steps not in self._scheds:
             mbs = self.m if self.flush else self.m * steps
             self._scheds[steps] = generate(self.kind.name, self.S, mbs, self.plan.replicas, minibatch=self.m,
-                                           warmup=self.warmup)
+                                           warmup=self.warmup, virtual_stages=self.v)
         self.sched = self._scheds[steps]
         self.worker = self.sched.worker(self.s, self.r)
         self.actions: list[Action] = self.sched.actions[self.worker]
-        self._peers: dict[tuple[Kind, int | None], int] = {}
+        self._peers: dict[tuple[Kind, int | None, int | None], int] = {}
         if hasattr(self, "p2p"):
-            self.p2p.set_window(self._send_window())
-
-    def _send_window(self) -> int:
-        """Sends a rank may keep before it waits for its oldest (comm.P2P), from M, the most microbatches
-        any worker holds between F and B, and R, the most replicas: among 3(M + R) + 2 later sends, at least
-        M + R are gradients or follow backwards, so the peers have gone past the oldest one's receive
-        (they run F and B in microbatch order, at most M ahead). Under 1f1b M <= stages, whatever m."""
-        most = 0
-        for acts in self.sched.actions:
-            held = 0
-            for a in acts:
-                held += (a.kind is Kind.F) - (a.kind is Kind.B)
-                most = max(most, held)
-        return 3 * (most + max(self.plan.replicas)) + 2
+            self.p2p.set_window(send_window(self.sched))
 
     def _new_policy(self) -> None:
         from pipeflow.stash import StashPolicy, version_fn  # stash.py subclasses WeightPolicy
@@ -127,54 +133,12 @@ class Engine:
         s, r = self.sched.workers[worker]
         return self.plan.stages[s].ranks[r]
 
-    def _peer_rank(self, a: Action) -> int:
-        """The rank on the other end of a SEND/RECV action, cached per (kind, microbatch) of this list."""
-        key = (a.kind, a.microbatch)
-        rank = self._peers.get(key)
-        if rank is None:
-            rank = self._peers[key] = self.rank_of(self.sched.peer(self.worker, a))
-        return rank
-
-    def _make_channels(self) -> dict[tuple[int, int, str], Any]:
-        """Groups for every neighbouring pair (both directions) and every replicated stage, created in
-        the same order on all ranks."""
-        pairs: list[tuple[int, int, str]] = []
-        for s in range(self.S - 1):
-            for a in self.plan.stages[s].ranks:
-                for b in self.plan.stages[s + 1].ranks:
-                    pairs += [(a, b, "F"), (b, a, "B")]
-        sets = [sorted((a, b)) for a, b, _ in pairs]
-        # Two groups per pair: one per direction (see comm.P2P), so create each rank set twice.
-        groups: dict[tuple[int, int, str], Any] = {}
-        options = p2p_group_options(self.world.backend)
-        for (a, b, d), ranks in zip(pairs, sets):
-            groups[(a, b, d)] = new_group(ranks, options) if self.world.size > 1 else None
-        replica_sets = [st.ranks for st in self.plan.stages if st.replicas > 1]
-        self.replica_groups = new_groups(self.world, replica_sets)
-        last = self.plan.stages[-1]
-        self.loss_group = self.replica_groups.get(tuple(last.ranks)) if last.replicas > 1 else None
-        # Tied parameters: one group per rank set holding one, after the others (Megatron's embedding group).
-        self.tie_groups = new_groups(self.world, [t.ranks for t in self.ties])
-        return groups
-
-    def _tied_here(self) -> list[tuple[Tie, torch.nn.Parameter]]:
-        """The ties this stage holds, each with its parameter as this stage's module holds it."""
-        start, end = self.stage.start, self.stage.start + len(self.stage.module)
-        out = []
-        for t in self.ties:
-            here = [(i, n) for i, n in t.uses if start <= i < end]
-            if here:
-                i, name = here[0]
-                out.append((t, self.stage.module[i - start].get_parameter(name)))
-        return out
-
-    def _tie_groups(self) -> list[tuple[list[torch.nn.Parameter], Any]]:
-        """(this rank's tied parameters, group) per tie rank set this rank is in, in the same order on
-        every rank, so that the all-reduces of _step are issued in one global order."""
-        by_ranks: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
-        for t, p in self._tied_here():
-            by_ranks.setdefault(tuple(t.ranks), []).append(p)
-        return [(params, self.tie_groups[ranks]) for ranks, params in by_ranks.items()]
+    def _peer(self, a: Action) -> int:
+        """The rank on the other end of a transfer action, cached per (kind, stage, microbatch) of this list."""
+        key = (a.kind, a.stage, a.microbatch)
+        if key not in self._peers:
+            self._peers[key] = self.rank_of(self.sched.peer(self.worker, a))
+        return self._peers[key]
 
     # ------------------------------------------------------------------ execution
 
@@ -182,56 +146,52 @@ class Engine:
         return step * self.m + i if self.flush else self.mb_offset + i
 
     def run(self, actions: list[Action], step: int = 0, on_step: Callable[[int], None] | None = None) -> None:
-        """Execute `actions`. For flush schedules `step` places microbatch i at global index step*m+i;
-        `on_step(k)` is called after the k-th STEP of an asynchronous list."""
-        recv_f: dict[int, tuple[list[torch.Tensor], list[Any]]] = {}
-        recv_b: dict[int, tuple[list[torch.Tensor], list[Any]] | None] = {}
-        outputs: dict[int, list[torch.Tensor]] = {}
-        in_grads: dict[int, list[torch.Tensor]] = {}
-        # The reducer is armed for the last backward before each STEP (its gradients are then final).
-        seq = [a for a in actions if a.kind in (Kind.B, Kind.STEP)]
-        arm_at = {b.microbatch for b, nxt in zip(seq, seq[1:]) if b.kind is Kind.B and nxt.kind is Kind.STEP}
+        """Execute `actions`, each on the stage it names. For flush schedules `step` places microbatch i at
+        global index step*m+i; `on_step(k)` is called after the k-th STEP of an asynchronous list."""
+        Posted = tuple[list[torch.Tensor], list[Any]]
+        # Keyed by (model stage, microbatch): a rank holding several chunks has several of each in flight.
+        recv_f: dict[tuple[int, int], Posted] = {}
+        recv_b: dict[tuple[int, int], Posted | None] = {}
+        outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
+        in_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        arm_at = arm_points(self.sched, self.worker, actions)
         steps_done = 0
         for a in actions:
-            i = a.microbatch
-            if a.kind is Kind.RECV_F:
-                assert i is not None
-                j = self.global_mb(step, i)
-                recv_f[i] = self.p2p.recv(self._peer_rank(a), "F",
-                                          signature=self.loader.signature(j))
-            elif a.kind is Kind.RECV_B:
-                assert i is not None
-                # The gradient has the shapes of what we sent; if F(i) has not run yet, post at B(i).
-                recv_b[i] = self._post_recv_b(a) if i in outputs else None
-            elif a.kind is Kind.F:
-                assert i is not None
-                self._forward(step, i, recv_f, outputs)
-            elif a.kind is Kind.SEND_F:
-                assert i is not None
-                with self.timer.span("SEND_F", i):
-                    self.p2p.send(outputs[i], self._peer_rank(a), "F",
-                                  signature=self.loader.signature(self.global_mb(step, i)))
-            elif a.kind is Kind.B:
-                assert i is not None
-                posted = recv_b.pop(i, None)
-                if posted is None and not self.stage.last:
-                    posted = self._post_recv_b(Action(Kind.RECV_B, i))
-                if self.reducer is not None and i in arm_at and i in self.stage.saved:
-                    self.reducer.arm(self.stage.saved[i].outputs)
-                in_grads[i] = self._backward(i, posted)
-                # Received activations and gradients of microbatch i are now dead: their buffers are reused.
-                # (Not one an output or an input gradient still to be sent aliases: comm.P2P.release.)
-                self.p2p.release(self._received.pop(i, []) + (posted[0] if posted else []),
-                                 (outputs.pop(i, None) or []) + in_grads[i])
-            elif a.kind is Kind.SEND_B:
-                assert i is not None
-                with self.timer.span("SEND_B", i):
-                    self.p2p.send(in_grads.pop(i), self._peer_rank(a), "B")
-            elif a.kind is Kind.STEP:
+            if a.kind is Kind.STEP:
                 self._step()
                 if on_step is not None:
                     on_step(steps_done)
                 steps_done += 1
+                continue
+            i = a.microbatch
+            assert i is not None
+            k = self.sched.stage_at(self.worker, a)
+            stage, key = self.stages[k], (k, i)
+            if a.kind is Kind.RECV_F:
+                recv_f[key] = self.p2p.recv(self._peer(a), "F", signature=self._signature(k - 1, step, i))
+            elif a.kind is Kind.RECV_B:
+                # The gradient has the shapes of what we sent; if F(i) has not run yet, post at B(i).
+                recv_b[key] = self._post_recv_b(a, stage) if key in outputs else None
+            elif a.kind is Kind.F:
+                posted = None if stage.first else recv_f.pop(key)
+                outputs[key] = self._forward(stage, step, a, posted)
+            elif a.kind is Kind.SEND_F:
+                with self.timer.span("SEND_F", i):
+                    self.p2p.send(outputs[key], self._peer(a), "F", signature=self._signature(k, step, i))
+            elif a.kind is Kind.B:
+                posted = recv_b.pop(key, None)
+                if posted is None and not stage.last:
+                    posted = self._post_recv_b(Action(Kind.RECV_B, i, a.stage), stage)
+                reducer = self.reducers.get(k)
+                if reducer is not None and key in arm_at and i in stage.saved:
+                    reducer.arm(stage.saved[i].outputs)
+                in_grads[key] = self._backward(stage, i, posted)
+                # Buffers received for microbatch i are dead now: reused, unless aliased (comm.P2P.release).
+                self.p2p.release(self._received.pop(key, []) + (posted[0] if posted else []),
+                                 (outputs.pop(key, None) or []) + in_grads[key])
+            elif a.kind is Kind.SEND_B:
+                with self.timer.span("SEND_B", i):
+                    self.p2p.send(in_grads.pop(key), self._peer(a), "B")
             else:
                 raise RuntimeError(f"rank {self.world.rank}: the engine cannot run action {a}")
         self.p2p.wait_sends()
@@ -242,40 +202,48 @@ class Engine:
         if not self.flush:
             self.policy.finish()
 
-    def _post_recv_b(self, a: Action) -> tuple[list[torch.Tensor], list[Any]]:
-        assert a.microbatch is not None
-        saved = self.stage.saved[a.microbatch].outputs
-        meta = [(tuple(t.shape), t.dtype, False) for t in saved]
-        return self.p2p.recv(self._peer_rank(a), "B", meta=meta)
+    def _signature(self, sender: int, step: int, i: int) -> Any:
+        """What the shapes of the activations model stage `sender` sends for microbatch i depend on."""
+        sig = self.loader.signature(self.global_mb(step, i))
+        return sig if self.v == 1 else (sender, sig)
 
-    def _forward(self, step: int, i: int, recv_f: dict[int, tuple[list[torch.Tensor], list[Any]]],
-                 outputs: dict[int, list[torch.Tensor]]) -> None:
+    def _post_recv_b(self, a: Action, stage: Stage) -> tuple[list[torch.Tensor], list[Any]]:
+        assert a.microbatch is not None
+        saved = stage.saved[a.microbatch].outputs
+        meta = [(tuple(t.shape), t.dtype, False) for t in saved]
+        return self.p2p.recv(self._peer(a), "B", meta=meta)
+
+    def _forward(self, stage: Stage, step: int, a: Action,
+                 posted: tuple[list[torch.Tensor], list[Any]] | None) -> list[torch.Tensor]:
+        i = a.microbatch
+        assert i is not None
         j = self.global_mb(step, i)
         # A stage that is both first and last (data parallelism) reads the microbatch once.
-        data = self.loader.microbatch(j) if self.stage.first or self.stage.last else None
-        target = data[1] if data is not None and self.stage.last else None
-        if self.stage.first:
+        data = self.loader.microbatch(j) if stage.first or stage.last else None
+        target = data[1] if data is not None and stage.last else None
+        if posted is None:
             assert data is not None
             inputs: Any = data[0]
         else:
-            bufs, works = recv_f.pop(i)
+            bufs, works = posted
             with self.timer.span("WAIT_F", i):
                 for w in works:
                     w.wait()
-            meta = self.p2p.expect_meta(self._peer_rank(Action(Kind.RECV_F, i)),
-                                        self.loader.signature(j))
+            k = self.sched.stage_at(self.worker, a)
+            meta = self.p2p.expect_meta(self._peer(Action(Kind.RECV_F, i, a.stage)), self._signature(k - 1, step, i))
             inputs = mark_requires_grad(bufs, [m[2] for m in meta])
-            self._received[i] = bufs
+            self._received[(k, i)] = bufs
         self.policy.before_forward(i)
         scale = self.kind.loss_scale(self.m)
         with self.timer.span("F", i):
-            outs = self.stage.forward(i, inputs, target, loss_scale=scale, global_mb=j)
+            outs = stage.forward(i, inputs, target, loss_scale=scale, global_mb=j)
         self.policy.after_forward(i)
-        if self.stage.last:
+        if stage.last:
             self.losses.append(outs[0])
-        outputs[i] = outs
+        return outs
 
-    def _backward(self, i: int, posted: tuple[list[torch.Tensor], list[Any]] | None) -> list[torch.Tensor]:
+    def _backward(self, stage: Stage, i: int, posted: tuple[list[torch.Tensor], list[Any]] | None
+                  ) -> list[torch.Tensor]:
         grads = None
         if posted is not None:
             grads, works = posted
@@ -284,14 +252,14 @@ class Engine:
                     w.wait()
         self.policy.before_backward(i)
         with self.timer.span("B", i):
-            out = self.stage.backward(i, grads)
+            out = stage.backward(i, grads)
         self.policy.after_backward(i)
         return out
 
     def _step(self) -> None:
         with self.timer.span("STEP"):
-            if self.reducer is not None:
-                self.reducer.finish()
+            for reducer in self.reducers.values():  # chunk order: the same on every replica
+                reducer.finish()
             for tie in self.tie_reducers:  # after the replicas' reduction, which excludes tied parameters
                 tie.finish()
             self.policy.before_step()
@@ -305,11 +273,16 @@ class Engine:
         """One minibatch of a flush schedule: its m microbatches, then the optimizer step."""
         self.run(self.actions, step)
 
+    @property
+    def holds_last(self) -> bool:
+        """This rank holds the model's last stage (the loss)."""
+        return any(c.last for c in self.stages.values())
+
     def take_loss(self, count: int) -> float | None:
         """Mean loss of the `count` microbatches run since the last call, summed over the last stage's
         replicas: the value on the rank that owns the loss (last stage, replica 0), None elsewhere.
         Reads the device, so call it only when the value is reported."""
-        if not self.stage.last:
+        if not self.holds_last:
             return None
         local = torch.stack(self.losses).sum() if self.losses else torch.zeros((), device=self.world.device)
         self.losses.clear()
@@ -319,20 +292,8 @@ class Engine:
 
     @property
     def owns_loss(self) -> bool:
-        return self.stage.last and self.r == 0
+        return self.holds_last and self.r == 0
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's weights under the model-wide keys of nn.Sequential(*spec.layers) ("3.weight")."""
-        out = {}
-        for k, v in self.stage.module.state_dict().items():
-            idx, _, rest = k.partition(".")
-            out[f"{int(idx) + self.stage.start}.{rest}"] = v.detach().cpu()
-        return out
-
-
-def tied_async_error(ties: list[Tie], schedule: str) -> str:
-    """One line: why a tied parameter across stages cannot train under an asynchronous schedule."""
-    t = ties[0]
-    return (f"parameter {' = '.join(t.keys)} is shared by stages {', '.join(map(str, t.stages))}, which --schedule "
-            f"{schedule} cannot train: its stages use different weight versions of one parameter. Use --schedule "
-            "gpipe or 1f1b, or a plan that keeps the tied layers on one stage")
+        """This rank's weights under the model-wide keys of nn.Sequential(*spec.layers) ("3.weight")."""
+        return {k: v for c in self.stages.values() for k, v in c.model_state_dict().items()}

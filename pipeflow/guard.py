@@ -65,7 +65,7 @@ class StepGuard:
         dev = e.world.device
         found = torch.zeros((), dtype=torch.float32, device=dev)
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for p in e.stage.parameters():
+        for p in e.parameters():
             if p.grad is not None:
                 groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
         for (gdev, dtype), grads in groups.items():
@@ -80,7 +80,7 @@ class StepGuard:
             else:  # other dtypes (complex): the per-tensor check
                 bad = ~torch.stack([g.isfinite().all() for g in grads]).all()
                 found = torch.maximum(found, bad.float().to(dev))
-        if e.stage.last and e.losses:
+        if e.holds_last and e.losses:
             bad_loss = (~torch.stack(e.losses[-self.losses_per_step:]).isfinite().all()).float().to(dev)
         else:
             bad_loss = torch.zeros((), dtype=torch.float32, device=dev)

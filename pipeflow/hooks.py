@@ -6,7 +6,7 @@ Each has a default that does nothing, and none of their implementations needs to
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 

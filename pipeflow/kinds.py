@@ -37,10 +37,15 @@ class InFlight(enum.Enum):
     ALL = "all"  # every local microbatch of the minibatch (gpipe)
     FILL = "fill"  # enough to fill the workers downstream (1F1B's warm-up + 1)
     FILL_UP_TO_ALL = "fill, at most all"  # FILL, capped by the minibatch's local microbatches (flushed 1f1b)
+    # (chunk, microbatch) pairs: interleaved 1F1B's warm-up (v-1)*share + 2*(FILL-1), + 1, at most all
+    INTERLEAVED = "interleaved warm-up"
 
 
 # (worker's microbatches, microbatches in the list, replicas, stage, minibatch, warmup) -> compute order
 OrderFn = Callable[[list[int], int, Sequence[int], int, "int | None", "int | None"], list[Action]]
+# (worker's microbatches, microbatches in the list, replicas per group, group, virtual stages) -> compute
+# order over the worker's chunks, every action naming its model stage (schedules with chunk_order)
+ChunkOrderFn = Callable[[list[int], int, Sequence[int], int, int], list[Action]]
 
 
 @dataclass(frozen=True)
@@ -60,13 +65,19 @@ class ScheduleKind:
     replicas_divide_m: bool  # every stage's replica count divides m
     replicas_at_most_m: bool  # m >= every stage's replica count
     m_at_least_stages_minus_1: bool  # m >= S - 1 (two weight versions suffice)
+    # Chunks placed round-robin (--virtual-stages v: S*v model stages, stage k on rank group k mod S; a
+    # plan may then list a rank group once per chunk); generates the orders instead of `order`.
+    chunk_order: ChunkOrderFn | None = None
+    m_multiple_of_stages: bool = False  # m is a multiple of the rank groups S (Megatron's interleaving)
 
     @property
     def rule(self) -> str:
         """The constraints on m and replicas in words, for the planner's messages ("" if none)."""
         parts = [text for applies, text in ((self.replicas_divide_m, "every stage's replica count must divide m"),
                                             (self.replicas_at_most_m, "m >= every stage's replica count"),
-                                            (self.m_at_least_stages_minus_1, "m >= stages - 1")) if applies]
+                                            (self.m_at_least_stages_minus_1, "m >= stages - 1"),
+                                            (self.m_multiple_of_stages, "m a multiple of the pipeline's "
+                                             "rank groups (at least 2)")) if applies]
         return " and ".join(parts)
 
     @property
@@ -103,6 +114,9 @@ class ScheduleKind:
         if self.m_at_least_stages_minus_1 and m < len(reps) - 1:
             return (f"{self.name} needs --microbatches >= stages - 1 (two weight versions), found {m} microbatches "
                     f"for {len(reps)} stages")
+        if self.m_multiple_of_stages and (len(reps) < 2 or m % len(reps)):
+            return (f"{self.name} needs at least 2 pipeline rank groups and --microbatches a multiple of their "
+                    f"number (Megatron's interleaving), found {m} microbatches for {len(reps)} groups")
         return None
 
 
@@ -180,6 +194,41 @@ def _2bw(mbs: list[int], microbatches: int, replicas: Sequence[int], stage: int,
     return out
 
 
+def interleave_round(replicas: Sequence[int]) -> int:
+    """Global microbatches in one round of the interleaved schedule: S, times the most replicas of a group
+    (every replica then has a share of each round; a dry run over S, v, m and replicas finds no deadlock)."""
+    return len(replicas) * max(replicas)
+
+
+def _interleaved(mbs: list[int], microbatches: int, replicas: Sequence[int], group: int,
+                 virtual: int) -> list[Action]:
+    """Megatron's interleaved 1F1B (Narayanan et al., SC'21 §2.2): microbatches go in rounds of S (the rank
+    groups); a round runs chunk 0 of its microbatches, then chunk 1, ... (backwards: the last chunk
+    first). Warm-up: (v-1)*S + 2*(S-1-group) forwards, then one forward and one backward in turn.
+
+    With replicas, a round is interleave_round(replicas) consecutive global microbatches, the same on every group,
+    so that both ends of a channel order its messages alike (each worker runs its share of each round);
+    the warm-up counts this worker's share of a round and PipeDream's NOAM depth instead of S-1-group."""
+    S = len(replicas)
+    size = interleave_round(replicas)
+    rounds = [[i for i in mbs if i // size == k] for k in sorted({i // size for i in mbs})]
+    chunks = [group + c * S for c in range(virtual)]  # the model stages this group holds
+    forwards = [(k, i) for rnd in rounds for k in chunks for i in rnd]
+    backwards = [(k, i) for rnd in rounds for k in reversed(chunks) for i in rnd]
+    share = len(rounds[0]) if rounds else 0
+    warmup = min(len(forwards), (virtual - 1) * share + 2 * warmup_forwards(replicas, group))
+    order = [Action(Kind.F, i, k) for k, i in forwards[:warmup]]
+    for (fk, fi), (bk, bi) in zip(forwards[warmup:], backwards):
+        order += [Action(Kind.F, fi, fk), Action(Kind.B, bi, bk)]
+    order += [Action(Kind.B, i, k) for k, i in backwards[len(forwards) - warmup:]]
+    return order + [STEP]
+
+
+def _interleaved_v1(mbs: list[int], microbatches: int, replicas: Sequence[int], stage: int,
+                    minibatch: int | None, warmup: int | None) -> list[Action]:
+    return _interleaved(mbs, microbatches, replicas, stage, 1)
+
+
 # ---------------------------------------------------------------- the table
 
 def _flushed(name: str, order: OrderFn, in_flight: InFlight, *, warmup_applies: bool) -> ScheduleKind:
@@ -200,6 +249,10 @@ TABLE: tuple[ScheduleKind, ...] = (
                  weights=Weights.DOUBLE_BUFFER, in_flight=InFlight.FILL, warmup_applies=False, ties_allowed=False,
                  agree_every_step=False, replicas_divide_m=False, replicas_at_most_m=True,
                  m_at_least_stages_minus_1=True),
+    ScheduleKind("interleaved", _interleaved_v1, flush=True, step_per_backward=False, mean_over_replicas=False,
+                 weights=Weights.LIVE, in_flight=InFlight.INTERLEAVED, warmup_applies=False, ties_allowed=True,
+                 agree_every_step=True, replicas_divide_m=False, replicas_at_most_m=False,
+                 m_at_least_stages_minus_1=False, chunk_order=_interleaved, m_multiple_of_stages=True),
 )
 _BY_NAME = {k.name: k for k in TABLE}
 SCHEDULES = tuple(_BY_NAME)

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from partitioner.plan import Plan
+from partitioner.plan import Plan, PlanError
 from pipeflow.config import TrainConfig
 from pipeflow.failure import UsageError
-from pipeflow.kinds import schedule_kind
+from pipeflow.kinds import TABLE, schedule_kind
 from pipeflow.spec import ModelSpec
 
 log = logging.getLogger("pipeflow")
@@ -20,6 +20,32 @@ log = logging.getLogger("pipeflow")
 def make_plan(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, mpi: Any) -> Plan:
     """The plan from --plan; an even or explicit split (--layers-per-stage); otherwise rank 0 profiles
     the layers and runs the planner for this many workers, and every rank gets its plan."""
+    plan = _make_plan(args, spec, world_size, rank, mpi)
+    if plan.virtual_stages > 1 and (args.checkpoint_dir or args.resume):
+        raise UsageError("--checkpoint-dir and --resume write and read one file per rank group's stage, not the "
+                         f"{plan.virtual_stages} chunks each rank holds under this plan: run without them")
+    kind = schedule_kind(plan.schedule)
+    if kind.chunk_order is not None:  # checked here, before any process group: one line, exit 2
+        why = kind.violation(plan.microbatches, plan.replicas)
+        if why:
+            raise UsageError(why)
+    return plan
+
+
+def virtual_stages(args: TrainConfig, schedule: str | None = None) -> int:
+    """--virtual-stages, or the default of the schedule: 2 where chunks are placed round-robin, else 1."""
+    kind = schedule_kind(schedule or args.schedule or "1f1b")
+    v = args.virtual_stages
+    if v is not None and v < 1:
+        raise UsageError(f"--virtual-stages must be >= 1, found {v}")
+    if v is not None and v > 1 and kind.chunk_order is None:
+        names = ", ".join(k.name for k in TABLE if k.chunk_order is not None)
+        raise UsageError(f"--virtual-stages {v} needs a schedule that places chunks round-robin ({names}), "
+                         f"found --schedule {kind.name}")
+    return v if v is not None else (2 if kind.chunk_order is not None else 1)
+
+
+def _make_plan(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, mpi: Any) -> Plan:
     n = len(spec.layers)
     if args.plan:
         plan = Plan.load(args.plan)
@@ -28,11 +54,20 @@ def make_plan(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, mp
             plan.microbatches = args.microbatches
         if args.schedule is not None:
             plan.schedule = args.schedule
+            try:  # a plan placing chunks round-robin needs a schedule that runs them
+                plan.validate()
+            except PlanError as e:
+                raise PlanError(f"{args.plan}: {e}") from None
+        v = virtual_stages(args, plan.schedule)
+        if args.virtual_stages is not None and v != plan.virtual_stages:
+            raise UsageError(f"--virtual-stages {v} but {args.plan} places {plan.virtual_stages} stage(s) on each "
+                             "rank group; drop the flag or plan again")
         return plan
     from partitioner.plan import even_plan
 
+    v = virtual_stages(args)
     if not args.layers_per_stage:
-        return plan_on_the_spot(args, spec, world_size, rank, mpi)
+        return plan_on_the_spot(args, spec, world_size, rank, mpi, v)
     counts = None
     if args.layers_per_stage != "even":
         try:
@@ -40,13 +75,15 @@ def make_plan(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, mp
         except ValueError:
             raise UsageError(f"--layers-per-stage must be comma-separated integers, found {args.layers_per_stage!r}"
                              ) from None
-        if len(counts) != world_size:
-            raise UsageError(f"--layers-per-stage gives {len(counts)} stages but -np is {world_size}")
+        if len(counts) != world_size * v:
+            more = f" x --virtual-stages {v}" if v > 1 else ""
+            raise UsageError(f"--layers-per-stage gives {len(counts)} stages but -np is {world_size}{more}")
     return even_plan(n, world_size, schedule=args.schedule or "1f1b", microbatches=args.microbatches or 8,
-                     layer_counts=counts)
+                     layer_counts=counts, virtual_stages=v)
 
 
-def plan_on_the_spot(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, mpi: Any) -> Plan:
+def plan_on_the_spot(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, mpi: Any,
+                     virtual: int = 1) -> Plan:
     result: tuple[str, Any] = ("error", "rank 0 did not plan")
     if rank == 0:
         try:
@@ -92,7 +129,7 @@ def resolve_warmup(text: str, plan: Plan) -> list[int] | None:
 def check_ties(spec: ModelSpec, plan: Plan) -> None:
     """A Parameter shared by layers of several stages trains as one under gpipe and 1f1b (engine.py);
     the asynchronous schedules would give its copies different weight versions: refuse them here."""
-    from pipeflow.engine import tied_async_error
+    from pipeflow.links import tied_async_error
     from pipeflow.reduce import find_ties
 
     if not schedule_kind(plan.schedule).ties_allowed:

@@ -176,5 +176,5 @@ def find_ties(layers: Sequence[nn.Module], stage_layers: Sequence[tuple[int, int
     for u in uses.values():
         stages = sorted({stage_of[i] for i, _ in u})
         if len(stages) > 1:
-            ties.append(Tie(u, stages, sorted(r for s in stages for r in stage_ranks[s])))
+            ties.append(Tie(u, stages, sorted({r for s in stages for r in stage_ranks[s]})))
     return ties

@@ -95,6 +95,14 @@ class Stage:
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
 
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """These layers' weights on the CPU under the model-wide keys of nn.Sequential(*spec.layers)."""
+        out = {}
+        for k, v in self.module.state_dict().items():
+            idx, _, rest = k.partition(".")
+            out[f"{int(idx) + self.start}.{rest}"] = v.detach().cpu()
+        return out
+
     def forward(self, mb: int, inputs: list[torch.Tensor] | Any, target: torch.Tensor | None = None,
                 *, loss_scale: float = 1.0, global_mb: int | None = None) -> list[torch.Tensor]:
         """Run the layers on one microbatch. A received input list is unpacked back into a tuple when

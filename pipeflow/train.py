@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers-per-stage", default=None,
                    help="with no --plan: 'even', or comma-separated layer counts per stage (e.g. 8,6,6,6), instead "
                         "of profiling and planning on the spot")
+    p.add_argument("--virtual-stages", type=int, default=None, metavar="V",
+                   help="--schedule interleaved: V model chunks per rank, placed round-robin (Megatron's interleaved "
+                        "1F1B; default: the plan's, or 2); --microbatches must be a multiple of the ranks per "
+                        "pipeline")
     p.add_argument("--straight", action="store_true", help="planning on the spot: no replicated stages")
     p.add_argument("--topology", default=None, help="planning on the spot: e.g. 8x300GB/s,4x25GB/s")
     p.add_argument("--memory-per-worker", default=None, help="planning on the spot: e.g. 16GB")

@@ -27,10 +27,11 @@ def _lists(kind: ScheduleKind, S: int, m: int, reps: tuple[int, ...], minibatche
 
 
 def test_table_names_and_lookup():
-    assert SCHEDULES == ("gpipe", "1f1b", "async", "2bw") == tuple(k.name for k in TABLE)
+    assert SCHEDULES == ("gpipe", "1f1b", "async", "2bw", "interleaved") == tuple(k.name for k in TABLE)
     for k in TABLE:
         assert schedule_kind(k.name) is k
-    with pytest.raises(ScheduleError, match=r"^unknown schedule 'zb'; expected one of gpipe, 1f1b, async, 2bw$"):
+    with pytest.raises(ScheduleError,
+                       match=r"^unknown schedule 'zb'; expected one of gpipe, 1f1b, async, 2bw, interleaved$"):
         schedule_kind("zb")
     import partitioner.planner
     import pipeflow.schedule
@@ -88,15 +89,16 @@ def test_in_flight_rule_matches_the_generated_lists(S, m, reps):
                 peak = max(peak, held)
             local = len([i for i in range(m) if i % reps[s] == w - sched.worker(s, 0)])
             fill = warmup_forwards(reps, s) + 1
-            want = {InFlight.ALL: local, InFlight.FILL_UP_TO_ALL: min(fill, local), InFlight.FILL: fill}[kind.in_flight]
+            want = {InFlight.ALL: local, InFlight.FILL_UP_TO_ALL: min(fill, local), InFlight.FILL: fill,
+                    InFlight.INTERLEAVED: min(2 * fill - 1, local)}[kind.in_flight]
             assert peak == want, (kind.name, w)
 
 
 def test_stashed_versions_and_weights():
     assert [schedule_kind(n).weights for n in SCHEDULES] == [Weights.LIVE, Weights.LIVE, Weights.STASH,
-                                                             Weights.DOUBLE_BUFFER]
-    assert [schedule_kind(n).stashed_versions(5) for n in SCHEDULES] == [0, 0, 5, 1]
-    assert [schedule_kind(n).vertical_sync for n in SCHEDULES] == [False, False, True, False]
+                                                             Weights.DOUBLE_BUFFER, Weights.LIVE]
+    assert [schedule_kind(n).stashed_versions(5) for n in SCHEDULES] == [0, 0, 5, 1, 0]
+    assert [schedule_kind(n).vertical_sync for n in SCHEDULES] == [False, False, True, False, False]
     from pipeflow.stash import version_fn
     for name in SCHEDULES:
         sched = generate(name, 2, 4, minibatch=2)
@@ -140,7 +142,8 @@ def test_constraints_on_m_and_replicas(name, m, reps, message):
 
 def test_rule_text_for_the_planner():
     assert [schedule_kind(n).rule for n in SCHEDULES] == [
-        "", "", "every stage's replica count must divide m", "m >= every stage's replica count and m >= stages - 1"]
+        "", "", "every stage's replica count must divide m", "m >= every stage's replica count and m >= stages - 1",
+        "m a multiple of the pipeline's rank groups (at least 2)"]
 
 
 def test_generators_enforce_what_they_need():

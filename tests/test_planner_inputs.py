@@ -75,11 +75,11 @@ def test_unknown_schedule_in_plan_json(tmp_path: Path, profile_path: Path, capsy
          "stages": [{"layers": [0, 8], "replicas": 1, "ranks": [0]}]}
     with pytest.raises(PlanError) as e:
         Plan.from_json(d, source="plan.json")
-    assert str(e.value) == "plan.json: plan.schedule must be one of gpipe, 1f1b, async, 2bw, found 'zb'"
+    assert str(e.value) == "plan.json: plan.schedule must be one of gpipe, 1f1b, async, 2bw, interleaved, found 'zb'"
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(d))
     err = one_line_error(capsys, [str(profile_path), "--evaluate", str(path), "-o", str(tmp_path / "out.json")])
-    assert err.endswith("plan.schedule must be one of gpipe, 1f1b, async, 2bw, found 'zb'")
+    assert err.endswith("plan.schedule must be one of gpipe, 1f1b, async, 2bw, interleaved, found 'zb'")
 
 
 def test_async_where_the_dp_would_replicate_gets_a_valid_plan(tmp_path: Path) -> None:

@@ -70,7 +70,7 @@ def test_warmup_is_noam_minus_one():
 
 
 def test_unknown_schedule_names_the_choices():
-    with pytest.raises(ScheduleError, match=r"unknown schedule 'zigzag'.*gpipe, 1f1b, async, 2bw"):
+    with pytest.raises(ScheduleError, match=r"unknown schedule 'zigzag'.*gpipe, 1f1b, async, 2bw, interleaved"):
         generate("zigzag", 2, 2)
 
 

@@ -1,0 +1,113 @@
+"""The process groups one rank's engine needs, set up in the same order on every rank: a point-to-point
+channel per direction of every stage boundary (chunk k to chunk k+1, the last rank group wrapping to the
+first under interleaved plans), a group per replicated rank group, and one per rank set holding a tied
+parameter (Megatron's embedding group)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from partitioner.plan import Plan
+from pipeflow.actions import Action, Kind, Schedule
+from pipeflow.comm import World, new_group, new_groups, p2p_group_options
+from pipeflow.reduce import Tie
+from pipeflow.stage import Stage
+
+
+@dataclass
+class Links:
+    p2p: dict[tuple[int, int, str], Any]  # (sender, receiver, "F" | "B") -> its group
+    replica_groups: dict[tuple[int, ...], Any]  # a replicated group's ranks -> its group
+    loss_group: Any  # the last stage's replicas (they sum the loss), or None
+    tie_groups: dict[tuple[int, ...], Any]  # ranks holding a tied parameter -> their group
+
+
+def make_links(world: World, plan: Plan, ties: list[Tie]) -> Links:
+    """Groups for every neighbouring pair of stages (both directions), every replicated rank group, and
+    every tie's rank set, created in the same order on all ranks."""
+    pairs: list[tuple[int, int, str]] = []
+    for k in range(len(plan.stages) - 1):
+        for a in plan.stages[k].ranks:
+            for b in plan.stages[k + 1].ranks:
+                # Interleaved plans cross the same pair once per chunk: one channel carries them all.
+                pairs += [p for p in ((a, b, "F"), (b, a, "B")) if p not in pairs]
+    # Two groups per pair: one per direction (see comm.P2P), so create each rank set twice.
+    groups: dict[tuple[int, int, str], Any] = {}
+    options = p2p_group_options(world.backend)
+    for a, b, d in pairs:
+        groups[(a, b, d)] = new_group(sorted((a, b)), options) if world.size > 1 else None
+    rank_groups = plan.stages[:plan.groups]
+    replica_groups = new_groups(world, [st.ranks for st in rank_groups if st.replicas > 1])
+    last = plan.stages[-1]
+    loss_group = replica_groups.get(tuple(last.ranks)) if last.replicas > 1 else None
+    # Tied parameters: one group per rank set holding one, after the others.
+    tie_groups = new_groups(world, [t.ranks for t in ties])
+    return Links(groups, replica_groups, loss_group, tie_groups)
+
+
+def send_window(sched: Schedule) -> int:
+    """Sends a rank may keep before it waits for its oldest (comm.P2P), from M, the most microbatches
+    any worker holds between F and B, and R, the most replicas: among 3(M + R) + 2 later sends, at least
+    M + R are gradients or follow backwards, so the peers have gone past the oldest one's receive
+    (they run F and B in microbatch order, at most M ahead). Under 1f1b M <= stages, whatever m.
+    With several chunks per rank that order is not the microbatch order: keep every send of the list."""
+    if sched.virtual_stages > 1:
+        return max(sum(a.kind.is_send for a in acts) for acts in sched.actions) + 1
+    most = 0
+    for acts in sched.actions:
+        held = 0
+        for a in acts:
+            held += (a.kind is Kind.F) - (a.kind is Kind.B)
+            most = max(most, held)
+    return 3 * (most + max(sched.replicas)) + 2
+
+
+def arm_points(sched: Schedule, worker: int, actions: list[Action]) -> set[tuple[int, int]]:
+    """(stage, microbatch) of each chunk's last backward before a STEP: its replicas' reducer is armed
+    there (reduce.GradReducer.arm), its gradients being final after it."""
+    last: dict[int, tuple[int, int]] = {}
+    out: set[tuple[int, int]] = set()
+    for a in actions:
+        if a.kind is Kind.B and a.microbatch is not None:
+            k = sched.stage_at(worker, a)
+            last[k] = (k, a.microbatch)
+        elif a.kind is Kind.STEP:
+            out.update(last.values())
+            last.clear()
+    return out
+
+
+def tied_here(ties: list[Tie], stages: list[Stage]) -> list[tuple[Tie, torch.nn.Parameter]]:
+    """The ties this rank holds, each with its parameter as this rank's modules hold it (chunks of one rank
+    share a tied Parameter object: Module.to converts parameters in place)."""
+    out = []
+    for t in ties:
+        for stage in stages:
+            start, end = stage.start, stage.start + len(stage.module)
+            here = [(i, n) for i, n in t.uses if start <= i < end]
+            if here:
+                i, name = here[0]
+                out.append((t, stage.module[i - start].get_parameter(name)))
+                break
+    return out
+
+
+def tie_groups(ties: list[Tie], stages: list[Stage], groups: dict[tuple[int, ...], Any]
+               ) -> list[tuple[list[torch.nn.Parameter], Any]]:
+    """(this rank's tied parameters, group) per tie rank set this rank is in, in the same order on
+    every rank, so that the all-reduces of Engine._step are issued in one global order."""
+    by_ranks: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
+    for t, p in tied_here(ties, stages):
+        by_ranks.setdefault(tuple(t.ranks), []).append(p)
+    # A tie whose stages all sit on this one rank is one Parameter here: nothing to sum.
+    return [(params, groups[ranks]) for ranks, params in by_ranks.items() if len(ranks) > 1]
+
+
+def tied_async_error(ties: list[Tie], schedule: str) -> str:
+    """One line: why a tied parameter across stages cannot train under an asynchronous schedule."""
+    t = ties[0]
+    return (f"parameter {' = '.join(t.keys)} is shared by stages {', '.join(map(str, t.stages))}, which --schedule "
+            f"{schedule} cannot train: its stages use different weight versions of one parameter. Use --schedule "
+            "gpipe or 1f1b, or a plan that keeps the tied layers on one stage")
