@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from partitioner.plan import Plan, PlanError, even_plan
 from pipeflow.hooks import Feed, GateFactory, Timing
-from pipeflow.kinds import schedule_kind
+from pipeflow.kinds import TABLE
 from pipeflow.spec import ModelSpec
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -183,9 +183,10 @@ def _resolve_plan(plan: Plan | str | None, num_layers: int, world_size: int, sch
     """The plan given (loaded from its path), with `schedule` and `microbatches` overriding its own; or an
     even split over one stage per rank. Checked against the layers and the world (PlanError in one line)."""
     if plan is None:
-        kind = schedule_kind(schedule or "1f1b")  # chunks round-robin (interleaved): two per rank
-        return even_plan(num_layers, world_size, schedule=kind.name, microbatches=microbatches or 8,
-                         virtual_stages=2 if kind.chunk_order is not None else 1)
+        name = schedule or "1f1b"  # chunks round-robin (interleaved): two per rank
+        chunked = any(k.name == name and k.chunk_order is not None for k in TABLE)
+        return even_plan(num_layers, world_size, schedule=name, microbatches=microbatches or 8,
+                         virtual_stages=2 if chunked else 1)
     if isinstance(plan, str):
         plan = Plan.load(plan)
     elif isinstance(plan, Plan):  # a copy: the overrides below must not change the caller's
