@@ -39,7 +39,8 @@ def _guard(*, flush: bool, skip: bool, losses: list[torch.Tensor] | None = None)
     opt = torch.optim.Adam([w], lr=0.1, fused=True)
     stage = SimpleNamespace(parameters=lambda: [w], last=losses is not None)
     engine = SimpleNamespace(S=1, s=0, actions=[], optimizer=opt, stage=stage, losses=[] if losses is None else losses,
-                             world=SimpleNamespace(device=torch.device("cpu")))
+                             world=SimpleNamespace(device=torch.device("cpu")), parameters=stage.parameters,
+                             holds_last=stage.last)
     guard = StepGuard(engine, MPI.COMM_SELF, SignalStop(), skip_nonfinite=skip, agree_every_step=flush)
     assert guard.lagged is False  # a CPU rank checks synchronously; a CUDA rank with a fused optimizer lags:
     guard.lagged = True
@@ -94,7 +95,8 @@ def test_multi_tensor_check_finds_one_bad_value_among_many_and_leaves_gradients_
                                                                       (3, torch.float64)]]
     stage = SimpleNamespace(parameters=lambda: ws, last=False)
     engine = SimpleNamespace(S=1, s=0, actions=[], optimizer=torch.optim.SGD(ws, lr=0.1), stage=stage, losses=[],
-                             world=SimpleNamespace(device=torch.device("cpu")))
+                             world=SimpleNamespace(device=torch.device("cpu")), parameters=stage.parameters,
+                             holds_last=False)
     guard = StepGuard(engine, MPI.COMM_SELF, SignalStop(), skip_nonfinite=True, agree_every_step=False)
     for w in ws:
         w.grad = torch.randn_like(w)
@@ -344,10 +346,10 @@ def test_steady_state_steps_read_no_tensor_on_the_host(schedule):
 
 
 def test_peak_tflops_must_be_positive():
-    from pipeflow.failure import UsageError
+    from pipeflow.config import ConfigError
     from pipeflow.train import build_parser, check_args
 
     args = build_parser().parse_args(["--peak-tflops", "0"])
-    with pytest.raises(UsageError, match=r"^--peak-tflops must be > 0 TFLOP/s, found 0.0$"):
+    with pytest.raises(ConfigError, match=r"^--peak-tflops must be > 0 TFLOP/s, found 0.0$"):
         check_args(args)
     check_args(build_parser().parse_args(["--peak-tflops", "989"]))
