@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from partitioner.topology import Topology
 from pipeflow.kinds import SCHEDULES, InFlight, ScheduleKind, schedule_kind
@@ -48,6 +49,7 @@ from pipeflow.kinds import SCHEDULES, InFlight, ScheduleKind, schedule_kind
 OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2}  # momentum; exp_avg + exp_avg_sq
 INF = float("inf")
 _CHUNK = 1 << 16  # elements per temporary array in the vectorized DP
+_MINMAX_WIDTH = 16  # columns per block in _minmax: narrower blocks give narrower bands but more of them
 
 
 class PlanningError(ValueError):
@@ -314,26 +316,30 @@ class _Level:
         self.model, self.level, self.inner = model, level, inner
         n, L = model.topology.levels[level].workers, model.num_layers
         self.n = n
-        best = np.full((n + 1, L + 1, L + 1), INF)
+        # _MINMAX_WIDTH spare columns: _minmax reads whole blocks of columns past j = L.
+        best = np.full((n + 1, L + 1, L + 1 + _MINMAX_WIDTH), INF)
         rs = np.arange(1, n + 1, dtype=np.float64)[:, None]
+        # The rest [k, j) on w'' units costs at least its work spread evenly over their workers:
+        # m (C[j] - C[k]) / (w'' * unit workers) (a stage's busy time is unit * ceil(m / r) / m >= unit / r,
+        # and max over stages of work / workers >= total work / total workers).
+        self.work = model.microbatches * model.C
+        per_unit = float(model.topology.unit_size(level))
         for i in range(L - 1, -1, -1):
             ks = np.arange(i + 1, L + 1)
             rows = model.stage_rows(level, i, ks, n, inner)
             bounds = model.port_ms(i, ks[None, :-1], rs, level)
             for w in range(1, n + 1):
                 stage = model.fit(level, i, ks, w, rows)
-                best[w, i, i + 1:] = stage[w - 1]  # one stage on all w units
+                best[w, i, i + 1:L + 1] = stage[w - 1]  # one stage on all w units
                 if w > 1 and i + 1 < L:
                     # First stage [i, k) on w' units, the rest [k, j) on w - w', for k in (i, L), j in (i + 1, L].
                     left = np.maximum(stage[: w - 1, :-1], bounds[: w - 1])
-                    rest = best[w - 1:0:-1, i + 1:L, i + 2:]
-                    row = best[w, i, i + 2:]
-                    # A lower bound of the first stage's cost that never decreases with k (suffix min).
-                    bound = np.minimum.accumulate(stage[: w - 1, :-1].min(axis=0)[::-1])[::-1]
-                    _minmax(left, bound, rest, row)
+                    # Per w', a lower bound of the first stage's cost that never decreases with k (suffix min).
+                    base = np.minimum.accumulate(stage[: w - 1, :-1][:, ::-1], axis=1)[:, ::-1]
+                    _minmax(best, w, i, left, base, self.work, rs[w - 2::-1, 0] * per_unit)
             if progress is not None:
                 progress.tick(level, L - i, L)
-        self.best = best
+        self.best = best[:, :, :L + 1]
 
     def table(self) -> np.ndarray:
         return self.best[self.n]
@@ -352,22 +358,55 @@ class _Level:
         raise AssertionError(f"DP trace failed at level {self.level}, [{i}, {j}) on {w}")
 
 
-def _minmax(left: np.ndarray, base: np.ndarray, rest: np.ndarray, out: np.ndarray) -> None:
-    """out[j] = min(out[j], min over (w', k) of max(left[w', k], rest[w', k, j])), in place.
+def _minmax(best: np.ndarray, w: int, i: int, left: np.ndarray, base: np.ndarray, work: np.ndarray,
+            workers: np.ndarray, width: int = 32) -> None:
+    """best[w, i, j] = min(itself, min over (w', k) of max(left[w', k], best[w - w', k, j])) for j > i + 1.
 
-    Row k is the split after layer i + k + 1 and column j the range end i + j + 2, so rows k > j are
-    empty ranges (inf) and are skipped block by block. `base` bounds left from below and never decreases
-    with k, so once base >= out[j] no later row can improve column j."""
-    n_j = rest.shape[2]
-    width = 64
-    for c0 in range(0, n_j, width):
-        c1 = min(n_j, c0 + width)
-        ub = out[c0:c1].max()
-        k1 = min(c1, int(np.searchsorted(base, ub, side="left")))
-        if k1 <= 0:
-            continue
-        block = np.maximum(rest[:, :k1, c0:c1], left[:, :k1, None])
-        np.minimum(out[c0:c1], block.min(axis=(0, 1)), out=out[c0:c1])
+    Row t of left is the split k = i + 1 + t; w' = a + 1 for row a. Columns j are taken in blocks of
+    `width`, and only a band of rows per (w', block) can improve one: `base[a]` bounds left[a] from below
+    and never decreases with k, so rows with base >= the block's largest current value are cut; the rest
+    costs at least its work spread over its workers, (work[j] - work[k]) / workers[a] (`work` the prefix
+    sums of m * compute, `workers[a]` those of w - w' units), which never increases with k, so rows before
+    the first that can reach the current value of some column are cut. The bands, about a block wide, are
+    gathered in one go: O(L^2 n^2 width) per level in practice instead of O(L^3 n^2)."""
+    L1, row = best.shape[1], best.shape[2]  # L + 1 rows, L + 1 + width columns
+    n_a, n_k = left.shape
+    n_j = n_k  # columns j = i + 2 .. L, rows k = i + 1 .. L - 1
+    nb = -(-n_j // width)
+    out = np.full(nb * width, -INF)
+    out[:n_j] = best[w, i, i + 2:L1]
+    seg = out.reshape(nb, width)
+    ub = seg.max(axis=1)
+    wk = np.full(nb * width, work[-1])
+    wk[:n_j] = work[i + 2:]
+    slack = 1e-12 * abs(float(work[-1]))  # the prefix sums' rounding
+    thr = (wk.reshape(1, nb, width) - seg[None] * (1 + 1e-9) * workers[:, None, None]).min(axis=2) - slack
+    lo = np.searchsorted(work[i + 1:L1 - 1], thr.ravel(), side="right").reshape(n_a, nb)
+    hi = np.empty((n_a, nb), dtype=np.int64)
+    for a in range(n_a):
+        hi[a] = np.searchsorted(base[a], ub, side="left")
+    hi = np.minimum(hi, np.minimum(n_j, np.arange(1, nb + 1) * width)[None, :])
+    cnt = np.maximum(hi - lo, 0).T.ravel()  # segments ordered by block, then w'
+    total = int(cnt.sum())
+    if total == 0:
+        return
+    start = np.cumsum(cnt) - cnt
+    a_of = np.tile(np.arange(n_a), nb)
+    b_of = np.repeat(np.arange(nb), n_a)
+    lo_t = lo.T.ravel()
+    sel = np.repeat(np.arange(len(cnt)), cnt)
+    t_idx = np.arange(total) - start[sel] + lo_t[sel]
+    a_idx = a_of[sel]
+    row0 = ((w - 1 - a_idx) * L1 + (i + 1 + t_idx)) * row + (i + 2) + b_of[sel] * width
+    vals = sliding_window_view(best.reshape(-1), width)[row0]  # rows of `width` columns, copied
+    np.maximum(vals, left[a_idx, t_idx][:, None], out=vals)
+    per_block = cnt.reshape(nb, n_a).sum(axis=1)
+    some = np.nonzero(per_block)[0]
+    firsts = (np.cumsum(per_block) - per_block)[some]
+    red = np.minimum.reduceat(vals, firsts, axis=0)
+    np.minimum(seg[some], red, out=red)
+    seg[some] = red
+    best[w, i, i + 2:L1] = out[:n_j]
 
 
 @dataclass
