@@ -3,6 +3,7 @@
     pipeflow-plan profile.json --workers 32 --topology 8x300GB/s,4x25GB/s --memory-per-worker 16GiB \\
         --schedule 1f1b --microbatches auto -o plan.json --timeline plan.png
     pipeflow-plan profile.json --evaluate my_plan.json --topology 8x300GB/s,4x25GB/s -o priced.json
+    pipeflow-plan profile.json --workers 8 --schedule auto -o plan.json      # the fastest flush schedule
 
 The DP bounds every plan's step time from below; the simulator replays the schedule on the plans in order
 of bound until no unvisited plan can be faster, so the plan written is the fastest the simulator knows.
@@ -13,6 +14,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from partitioner.auto import AUTO, candidates_table, plan_schedule
 from partitioner.plan import Plan, PlanError
 from partitioner.planner import OPTIMIZER_STATES, SCHEDULES, PlanningError
 from partitioner.profile import Profile, ProfileError
@@ -21,7 +23,6 @@ from partitioner.service import (
     _check_microbatches,
     _topology,
     evaluate_plan,
-    plan_detailed,
 )
 from partitioner.topology import TopologyError, format_bytes
 from pipeflow.kinds import schedule_kind
@@ -69,7 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="levels COUNTxBANDWIDTH, innermost first, e.g. 8x300GB/s,4x25GB/s (default: one level "
                         "of all workers at 10GB/s)")
     p.add_argument("--memory-per-worker", default=None, help="bytes, e.g. 16GB, 16GiB, 1e9")
-    p.add_argument("--schedule", choices=SCHEDULES, default=None, help="default 1f1b (--evaluate: the plan's)")
+    p.add_argument("--schedule", choices=(*SCHEDULES, AUTO), default=None,
+                   help="default 1f1b (--evaluate: the plan's); auto: the flush schedule of highest predicted "
+                        "throughput under the memory limit, with the table of candidates")
     p.add_argument("--microbatches", default=None, help="m, or auto (default; --evaluate: the plan's)")
     p.add_argument("--straight", action="store_true", help="no replicated stages")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES), default="adam")
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.evaluate is not None:
             planned = _evaluate(args, profile)
         else:
-            planned = plan_detailed(profile, args.workers, schedule=args.schedule or "1f1b", microbatches=mb,
+            planned = plan_schedule(profile, args.workers, schedule=args.schedule or "1f1b", microbatches=mb,
                                     topology=args.topology, memory_per_worker=args.memory_per_worker,
                                     straight=args.straight, optimizer=args.optimizer,
                                     keep_timeline=args.timeline is not None)
@@ -126,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     except (PlanningError, TopologyError, ProfileError, PlanError, OSError) as e:
         print(f"pipeflow-plan: error: {e}", file=sys.stderr)
         return 2
+    auto = candidates_table(planned)
+    if auto:
+        print(auto)
     print(table(planned))
     print(f"wrote {args.output}" + (f" and {args.timeline}" if args.timeline else ""))
     return 0

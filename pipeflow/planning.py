@@ -50,17 +50,21 @@ def plan_on_the_spot(args: argparse.Namespace, spec: ModelSpec, world_size: int,
     result: tuple[str, Any] = ("error", "rank 0 did not plan")
     if rank == 0:
         try:
+            from partitioner.auto import AUTO, candidates_table, plan_schedule
             from partitioner.profiler import profile_model
-            from partitioner.service import plan_from_profile
 
             device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
             t0 = time.perf_counter()
             profile = profile_model(spec, args.microbatch_size, device, dtype=args.dtype, warmup=1, repeats=3,
                                     seed=args.seed)
-            plan = plan_from_profile(profile, world_size, schedule=args.schedule or "1f1b",
-                                     microbatches=args.microbatches or 8, topology=args.topology,
-                                     memory_per_worker=args.memory_per_worker, straight=args.straight,
-                                     optimizer=args.optimizer)
+            # Without --schedule: the fastest flush schedule (--schedule auto), all equal to single-process training.
+            planned = plan_schedule(profile, world_size, schedule=args.schedule or AUTO,
+                                    microbatches=args.microbatches or 8, topology=args.topology,
+                                    memory_per_worker=args.memory_per_worker, straight=args.straight,
+                                    optimizer=args.optimizer)
+            plan = planned.plan
+            if args.schedule is None:
+                log.info("%s", candidates_table(planned))
             log.info("profiled %d layers on %s in %s and planned for %d workers in %.1f s (no --plan given); "
                      "predicted %s", len(spec.layers), device, profile.dtype, world_size, time.perf_counter() - t0,
                      {k: v for k, v in plan.predicted.items() if k != "peak_memory_bytes"})

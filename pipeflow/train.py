@@ -49,7 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "this runs that code, so name only modules you trust")
     p.add_argument("--model-args", default=None, help="JSON object of builder keyword arguments")
     p.add_argument("--plan", default=None, help="plan.json from pipeflow-plan; default: plan on the spot")
-    p.add_argument("--schedule", default=None, help=f"one of {', '.join(SCHEDULES)} (default: the plan's, or 1f1b)")
+    p.add_argument("--schedule", default=None,
+                   help=f"one of {', '.join(SCHEDULES)} (default: the plan's; planning on the spot, the flush "
+                        "schedule of highest predicted throughput, as pipeflow-plan --schedule auto; with "
+                        "--layers-per-stage, 1f1b)")
     p.add_argument("--steps", type=int, default=50, help="optimizer steps (minibatches) to train")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per minibatch (default: plan's or 8)")
     p.add_argument("--microbatch-size", type=int, default=4)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,9 @@ def test_plan_on_the_spot_equals_single_process(mpi: MpiRun):
     """No --plan: rank 0 profiles and plans for -np 3; whatever it picks trains like one process."""
     proc = mpi.proc
     assert "planned for 3 workers" in proc.stderr
+    # No --schedule: rank 0 compared every flush schedule of the kind table (--schedule auto) and says why.
+    assert "--schedule auto compared:" in proc.stderr and "chose " in proc.stderr, proc.stderr
+    assert re.search(r"^\s+gpipe\s", proc.stderr, re.M) and re.search(r"^\s+1f1b\s", proc.stderr, re.M)
     got = torch.load(mpi.dir / "model.pt", weights_only=True)
     want = reference_flush("mlp", MLP, steps=STEPS, microbatches=M, microbatch_size=B, optimizer="sgd", lr=0.05)
     for k in want:
