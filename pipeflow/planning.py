@@ -55,8 +55,12 @@ def plan_on_the_spot(args: argparse.Namespace, spec: ModelSpec, world_size: int,
 
             device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
             t0 = time.perf_counter()
+            # In this rank's own thread count (what training runs with); the loss and --optimizer's step timed.
+            notes: list[str] = []
             profile = profile_model(spec, args.microbatch_size, device, dtype=args.dtype, warmup=1, repeats=3,
-                                    seed=args.seed)
+                                    seed=args.seed, optimizer=args.optimizer, warnings=notes)
+            for note in notes:
+                log.warning("profiling on the spot: %s", note)
             # Without --schedule: the fastest flush schedule (--schedule auto), all equal to single-process training.
             planned = plan_schedule(profile, world_size, schedule=args.schedule or AUTO,
                                     microbatches=args.microbatches or 8, topology=args.topology,
