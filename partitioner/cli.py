@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from partitioner.auto import AUTO, candidates_table, plan_schedule
+from partitioner.batch import global_batch_table, plan_global_batch
 from partitioner.plan import Plan, PlanError
 from partitioner.planner import OPTIMIZER_STATES, SCHEDULES, PlanningError
 from partitioner.profile import Profile, ProfileError
@@ -74,6 +75,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="default 1f1b (--evaluate: the plan's); auto: the flush schedule of highest predicted "
                         "throughput under the memory limit, with the table of candidates")
     p.add_argument("--microbatches", default=None, help="m, or auto (default; --evaluate: the plan's)")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="samples per step G: choose the microbatch size b (among the profile's sizes) and m = G / b")
     p.add_argument("--straight", action="store_true", help="no replicated stages")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES), default="adam")
     p.add_argument("--evaluate", metavar="PLAN", default=None,
@@ -100,6 +103,8 @@ def _evaluate(args: argparse.Namespace, profile: Profile) -> Planned:
         if given is not None and given != own:
             raise PlanError(f"{flag} {given} differs from the plan's {own} ({args.evaluate}); drop {flag} "
                             "to evaluate the plan as written")
+    if args.global_batch is not None:
+        raise PlanError("--global-batch shapes a search; --evaluate prices the plan as written")
     if args.memory_per_worker is not None or args.straight:
         raise PlanError("--memory-per-worker and --straight shape a search; --evaluate prices the plan as written")
     return evaluate_plan(profile, plan, topology=args.topology, optimizer=args.optimizer,
@@ -112,16 +117,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.evaluate is None:
             if args.workers is None:
                 raise PlanningError("--workers is required (or --evaluate PLAN)")
+            if args.global_batch is not None and args.microbatches is not None:
+                raise PlanningError("--global-batch chooses the microbatch count; drop --microbatches")
             mb = _microbatches(args.microbatches or "auto")
             _topology(args.workers, None)  # refuse sizes before reading anything
         profile = Profile.load(args.profile)
         if args.evaluate is not None:
             planned = _evaluate(args, profile)
         else:
-            planned = plan_schedule(profile, args.workers, schedule=args.schedule or "1f1b", microbatches=mb,
-                                    topology=args.topology, memory_per_worker=args.memory_per_worker,
-                                    straight=args.straight, optimizer=args.optimizer,
-                                    keep_timeline=args.timeline is not None)
+            common = dict(topology=args.topology, memory_per_worker=args.memory_per_worker, straight=args.straight,
+                          optimizer=args.optimizer, keep_timeline=args.timeline is not None)
+            if args.global_batch is not None:
+                planned = plan_global_batch(profile, args.workers, global_batch=args.global_batch,
+                                            schedule=args.schedule or "1f1b", **common)
+            else:
+                planned = plan_schedule(profile, args.workers, schedule=args.schedule or "1f1b", microbatches=mb,
+                                        **common)
         if args.timeline:
             from partitioner.timeline import draw
             draw(planned, args.timeline)
@@ -129,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     except (PlanningError, TopologyError, ProfileError, PlanError, OSError) as e:
         print(f"pipeflow-plan: error: {e}", file=sys.stderr)
         return 2
-    auto = candidates_table(planned)
-    if auto:
-        print(auto)
+    for text in (global_batch_table(planned), candidates_table(planned)):
+        if text:
+            print(text)
     print(table(planned))
     print(f"wrote {args.output}" + (f" and {args.timeline}" if args.timeline else ""))
     return 0

@@ -59,6 +59,18 @@ def cast_floats_to(x: Any, dtype: torch.dtype | None) -> Any:
     return map_tensors(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
+def free_cached(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def machine_bytes(device: torch.device) -> tuple[int, str]:
+    """Memory a microbatch must fit in: the GPU's on cuda, the host's RAM otherwise."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, f"GPU {device}"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
+
+
 class Timer:
     """Milliseconds of a callable: CUDA events on GPU, perf_counter on CPU."""
 

@@ -16,6 +16,8 @@ from partitioner.measure import (
     RANK_THREADS,
     Timer,
     cast_floats_to,
+    free_cached,
+    machine_bytes,
     map_tensors,
     nbytes,
     noise_warning,
@@ -120,18 +122,6 @@ def _sandbox_copy(layer: nn.Module, device: torch.device, dtype: torch.dtype | N
     return copy.deepcopy(layer).to(device=device, dtype=dtype).train()
 
 
-def _free(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _machine_bytes(device: torch.device) -> tuple[int, str]:
-    """Memory a microbatch must fit in: the GPU's on cuda, the host's RAM otherwise."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory, f"GPU {device}"
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
-
-
 def _check_microbatch_fits(spec: ModelSpec, microbatch_size: int, device: torch.device,
                            dtype: torch.dtype | None, seed: int) -> None:
     """Refuse, before collating it, a microbatch that cannot fit (issue 11). Rule: measured on a probe of
@@ -155,9 +145,9 @@ def _check_microbatch_fits(spec: ModelSpec, microbatch_size: int, device: torch.
         need = max(need, nbytes(x) + nbytes(out) + _saved_bytes(work, x))
         x = map_tensors(out, lambda t: t.detach())
         del work
-    _free(device)
+    free_cached(device)
     need = need * microbatch_size // n
-    room, where = _machine_bytes(device)
+    room, where = machine_bytes(device)
     if need > room:
         raise ProfileError(f"--microbatch-size {microbatch_size} cannot work: one layer needs about "
                            f"{need / 2**30:.1f} GiB for its input, output and saved activations (measured on {n} "
@@ -204,7 +194,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
             work = _sandbox_copy(layer, dev, torch_dtype)
             stats, x = profile_layer(work, x, device=dev, dtype=None, warmup=warmup, repeats=repeats)
             del work
-            _free(dev)
+            free_cached(dev)
             stats["name"] = f"{i}:{stats['name']}"
             layers.append(stats)
         try:
@@ -227,7 +217,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pipeflow-profile", description=__doc__)
     p.add_argument("--model", required=True, help="gpt, mlp or package.module:function")
     p.add_argument("--model-args", default=None, help="JSON object of keyword arguments for the model builder")
-    p.add_argument("--microbatch-size", type=int, required=True)
+    p.add_argument("--microbatch-size", type=int, default=None)
+    p.add_argument("--microbatch-sizes", default=None,
+                   help="several sizes, e.g. 2,4,8: one file holding a profile per size (for pipeflow-plan "
+                        "--global-batch); the first is the top level")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                    help="cast the layers to this dtype (default: the dtype the model's builder gave it)")
@@ -242,11 +235,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _sizes(one: int | None, several: str | None) -> list[int]:
+    """The microbatch sizes to profile, from --microbatch-size or --microbatch-sizes (exactly one given)."""
+    if (one is None) == (several is None):
+        raise ProfileError("give exactly one of --microbatch-size B and --microbatch-sizes B,B,...")
+    if one is not None:
+        if one < 1:
+            raise ProfileError(f"--microbatch-size must be >= 1, found {one}")
+        return [one]
+    assert several is not None
+    parts = several.split(",")
+    if not all(x.strip().isdigit() and int(x) >= 1 for x in parts) or len(set(map(int, parts))) != len(parts):
+        raise ProfileError(f"--microbatch-sizes must be distinct positive integers separated by commas, found "
+                           f"{several!r}")
+    return [int(x) for x in parts]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        if args.microbatch_size < 1:
-            raise ProfileError(f"--microbatch-size must be >= 1, found {args.microbatch_size}")
+        sizes = _sizes(args.microbatch_size, args.microbatch_sizes)
         model_args = parse_model_args(args.model_args)
         try:
             spec = build_model(args.model, model_args, seed=args.seed)
@@ -261,9 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.device == "cpu" and threads != RANK_THREADS:
             warnings.append(f"--threads {threads}: ranks under mpirun run {RANK_THREADS} torch thread each, so "
                             "layer times measured here will not match training")
-        prof = profile_model(spec, args.microbatch_size, args.device, dtype=args.dtype, warmup=args.warmup,
-                             repeats=args.repeats, seed=args.seed, optimizer=args.optimizer, threads=threads,
-                             warnings=warnings)
+        prof, *others = [profile_model(spec, b, args.device, dtype=args.dtype, warmup=args.warmup,
+                                       repeats=args.repeats, seed=args.seed, optimizer=args.optimizer,
+                                       threads=threads, warnings=warnings) for b in sizes]
+        prof.others = others
         prof.save(args.output)
     except (ModelError, ProfileError, OSError) as e:
         print(f"pipeflow-profile: error: {e}", file=sys.stderr)
@@ -272,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     total_b = sum(layer.backward_ms for layer in prof.layers)
     print(f"profiled {len(prof.layers)} layers of {prof.model} on {prof.device} ({prof.dtype}, microbatch "
           f"{prof.microbatch_size}, {threads or torch.get_num_threads()} torch thread(s)): forward {total_f:.3f} "
-          f"ms, backward {total_b:.3f} ms, loss {prof.loss_ms or 0:.3f} ms -> {args.output}")
+          f"ms, backward {total_b:.3f} ms, loss {prof.loss_ms or 0:.3f} ms"
+          + (f"; also at microbatch sizes {', '.join(str(b) for b in sizes[1:])}" if others else "")
+          + f" -> {args.output}")
     for line in warnings:
         print(f"pipeflow-profile: warning: {line}", file=sys.stderr)
     return 0
