@@ -94,7 +94,7 @@ def plan_auto(profile: Profile, workers: int, *, microbatches: int | str = "auto
               straight: bool = False, optimizer: str = "adam", keep_timeline: bool = False
               ) -> tuple[Planned, list[Candidate]]:
     """The plan of the best flush schedule and every candidate tried; PlanningError when none has a plan."""
-    topo = _topology(workers, topology)  # a bad topology is no schedule's fault: refuse it once
+    topo = _topology(workers, topology, profile)  # a bad topology is no schedule's fault: refuse it once
     tried = candidates()
     for c in tried:
         try:

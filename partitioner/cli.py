@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=None, help="ranks to plan for (with --evaluate: the plan's)")
     p.add_argument("--topology", default=None,
                    help="levels COUNTxBANDWIDTH, innermost first, e.g. 8x300GB/s,4x25GB/s (default: one level "
-                        "of all workers at 10GB/s)")
+                        "of all workers at the profile's measured GPU-to-GPU bandwidth, else 10GB/s)")
     p.add_argument("--memory-per-worker", default=None, help="bytes, e.g. 16GB, 16GiB, 1e9")
     p.add_argument("--schedule", choices=(*SCHEDULES, AUTO), default=None,
                    help="default 1f1b (--evaluate: the plan's); auto: the flush schedule of highest predicted "

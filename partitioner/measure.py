@@ -165,3 +165,27 @@ def noise_warning(ratio: float, repeats: int) -> str | None:
     return (f"timings vary between repeats: the slowest of {repeats} passes over the layers took {ratio:.2f} x the "
             f"median (warning above {NOISY_SPREAD}); load average {load:.1f} on {os.cpu_count()} cores. Plans "
             "predicted from this profile will be off: profile on an idle machine or raise --repeats")
+
+
+def gpu_link_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 3) -> float | None:
+    """Bytes/s of a copy from `device` to the next visible GPU (NVLink or PCIe, whichever torch uses), the
+    median of `repeats` after one warm-up; None with fewer than two GPUs. What the planner's default
+    topology uses on a GPU host (issue 13: it assumed 10 GB/s even on NVLink)."""
+    if device.type != "cuda" or torch.cuda.device_count() < 2:
+        return None
+    src = device.index if device.index is not None else torch.cuda.current_device()
+    dst = (src + 1) % torch.cuda.device_count()
+    x = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{src}")
+    y = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{dst}")
+    times = []
+    for it in range(1 + repeats):
+        torch.cuda.synchronize(src)
+        torch.cuda.synchronize(dst)
+        t0 = time.perf_counter()
+        y.copy_(x)
+        torch.cuda.synchronize(src)
+        torch.cuda.synchronize(dst)
+        if it:
+            times.append(time.perf_counter() - t0)
+    del x, y
+    return nbytes / statistics.median(times)

@@ -6,6 +6,9 @@ read files with them): per layer `backward_accumulate_ms`, the backward when gra
 microbatch) and `optimizer_ms_per_byte` ({"adam": ..., "sgd": ...}: one optimizer step per parameter byte).
 The planner uses them when present and counts them as 0 (or backward_ms) when absent.
 
+On CUDA with more than one GPU visible, the optional `link_bandwidth` (bytes/s, measured GPU to GPU) is the
+default topology of pipeflow-plan when --topology is not given.
+
 One file may hold the model at several microbatch sizes (`pipeflow-profile --microbatch-sizes 2,4,8`, for
 `pipeflow-plan --global-batch`): the top level is the first size, as a one-size file, and the optional
 `other_microbatch_sizes` lists complete profiles of the same layers at the other sizes. Older readers see a
@@ -79,6 +82,7 @@ class Profile:
     loss_ms: float | None = None
     optimizer_ms_per_byte: dict[str, float] = field(default_factory=dict)
     others: list[Profile] = field(default_factory=list)  # the same layers at other microbatch sizes
+    link_bandwidth: float | None = None  # bytes/s between two devices, measured (CUDA, >1 GPU)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -110,6 +114,9 @@ class Profile:
                                                 for k, v in opt.items()):
             raise ProfileError(f"{source}: optimizer_ms_per_byte must map optimizer names to non-negative "
                                f"numbers, found {_show(opt)}")
+        bw = self.link_bandwidth
+        if bw is not None and (not _is_number(bw) or not 0 < bw < MAX_BYTES):
+            raise ProfileError(f"{source}: link_bandwidth must be a positive number of bytes/s, found {_show(bw)}")
         sizes = [mb]
         for k, other in enumerate(self.others):
             where = f"{source}: other_microbatch_sizes[{k}]"
@@ -142,6 +149,8 @@ class Profile:
             d["optimizer_ms_per_byte"] = self.optimizer_ms_per_byte
         if self.others:
             d["other_microbatch_sizes"] = [other.to_json() for other in self.others]
+        if self.link_bandwidth is not None:
+            d["link_bandwidth"] = self.link_bandwidth
         return d
 
     def save(self, path: str | Path) -> None:
@@ -176,7 +185,8 @@ class Profile:
         others = [cls.from_json(o, source=f"{source}: other_microbatch_sizes[{k}]") for k, o in enumerate(others)]
         try:
             return cls(d["model"], d.get("model_args", {}), d["device"], d["dtype"], d["microbatch_size"], layers,
-                       d.get("loss_ms"), d.get("optimizer_ms_per_byte", {}), others)
+                       d.get("loss_ms"), d.get("optimizer_ms_per_byte", {}), others,
+                       link_bandwidth=d.get("link_bandwidth"))
         except ProfileError as e:
             # __post_init__ validated with the default source name; say which file.
             raise ProfileError(str(e).replace("profile: ", f"{source}: ", 1)) from None

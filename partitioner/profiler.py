@@ -17,6 +17,7 @@ from partitioner.measure import (
     Timer,
     cast_floats_to,
     free_cached,
+    gpu_link_bandwidth,
     machine_bytes,
     map_tensors,
     nbytes,
@@ -210,7 +211,8 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     if note and warnings is not None:
         warnings.append(note)
     return Profile(spec.name or "model", dict(spec.args), dev.type, name, microbatch_size,
-                   [LayerProfile(**s) for s in layers], loss_ms, {optimizer: opt} if optimizer and opt else {})
+                   [LayerProfile(**s) for s in layers], loss_ms, {optimizer: opt} if optimizer and opt else {},
+                   link_bandwidth=gpu_link_bandwidth(dev))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -282,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"profiled {len(prof.layers)} layers of {prof.model} on {prof.device} ({prof.dtype}, microbatch "
           f"{prof.microbatch_size}, {threads or torch.get_num_threads()} torch thread(s)): forward {total_f:.3f} "
           f"ms, backward {total_b:.3f} ms, loss {prof.loss_ms or 0:.3f} ms"
+          + (f", GPU to GPU {prof.link_bandwidth / 1e9:.1f} GB/s" if prof.link_bandwidth else "")
           + (f"; also at microbatch sizes {', '.join(str(b) for b in sizes[1:])}" if others else "")
           + f" -> {args.output}")
     for line in warnings:

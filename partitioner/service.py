@@ -163,13 +163,17 @@ def _plan_once(profile: Profile, model: CostModel, workers: int, keep_timeline: 
     return Planned(plan, costs, sim, sol)
 
 
-def _topology(workers: int, topology: Topology | str | None) -> Topology:
+def _topology(workers: int, topology: Topology | str | None, profile: Profile | None = None) -> Topology:
+    """The topology given, else one level at the profile's measured device-to-device bandwidth (CUDA
+    with several GPUs), else Topology.default."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise PlanningError(f"--workers must be a positive integer, found {workers!r}")
     if workers > MAX_WORKERS:
         raise PlanningError(f"--workers must be at most {MAX_WORKERS} (the planner's limit), found {workers}")
     if isinstance(topology, str):
         topology = Topology.parse(topology, workers)
+    if topology is None and profile is not None and profile.link_bandwidth:
+        topology = Topology((Level(workers, profile.link_bandwidth),))
     topology = topology or Topology.default(workers)
     if topology.workers != workers:
         raise TopologyError(f"--workers {workers} does not match the topology {topology} "
@@ -188,7 +192,7 @@ def _check_microbatches(microbatches: object) -> None:
 def plan_detailed(profile: Profile, workers: int, *, schedule: str = "1f1b", microbatches: int | str = "auto",
                   topology: Topology | str | None = None, memory_per_worker: int | str | None = None,
                   straight: bool = False, optimizer: str = "adam", keep_timeline: bool = False) -> Planned:
-    topo = _topology(workers, topology)
+    topo = _topology(workers, topology, profile)
     if microbatches != "auto":
         _check_microbatches(microbatches)
     if isinstance(memory_per_worker, str):
@@ -264,7 +268,7 @@ def plan_from_profile(profile: Profile, workers: int, *, schedule: str, microbat
 def evaluate_plan(profile: Profile, plan: Plan, *, topology: Topology | str | None = None,
                   optimizer: str = "adam", keep_timeline: bool = False) -> Planned:
     """Price a given plan (hand-written or from another tool) exactly as the planner prices its own."""
-    topo = _topology(plan.workers, topology)
+    topo = _topology(plan.workers, topology, profile)
     _check_microbatches(plan.microbatches)
     plan.validate(num_layers=len(profile.layers))
     why = schedule_rule(plan.schedule, plan.microbatches, plan.replicas)

@@ -233,3 +233,25 @@ def test_noisy_repeats_are_reported() -> None:
     from partitioner.measure import noise_warning, spread
     assert spread([10.0, 11.0, 12.0]) == pytest.approx(12 / 11) and noise_warning(12 / 11, 3) is None
     assert "took 1.50 x the median" in (noise_warning(1.5, 3) or "")
+
+
+def test_measured_link_bandwidth_is_the_default_topology(tmp_path: Path) -> None:
+    """A profile taken on a host with several GPUs records their copy bandwidth; pipeflow-plan without
+    --topology plans on one level at that bandwidth instead of the 10 GB/s guess (issue 13)."""
+    from partitioner.measure import gpu_link_bandwidth
+    from partitioner.plan import Plan
+    from partitioner.service import evaluate_plan, plan_detailed
+
+    assert gpu_link_bandwidth(torch.device("cpu")) is None  # and profile_model leaves the field out on cpu
+    prof = Profile.load(write(tmp_path, {**GOOD, "device": "cuda", "link_bandwidth": 150e9}))
+    assert prof.link_bandwidth == 150e9
+    prof.save(tmp_path / "again.json")
+    assert json.loads((tmp_path / "again.json").read_text())["link_bandwidth"] == 150e9
+    plan = plan_detailed(prof, 4, microbatches=4).plan
+    assert plan.extra["planner"]["topology"] == "4x150GB/s"
+    assert plan_detailed(prof, 4, microbatches=4, topology="4x1GB/s").plan.extra["planner"]["topology"] == "4x1GB/s"
+    assert evaluate_plan(prof, Plan.from_json(plan.to_json())).plan.extra["planner"]["topology"] == "4x150GB/s"
+    assert plan_detailed(Profile.load(write(tmp_path, GOOD)), 4, microbatches=4).plan.extra["planner"][
+        "topology"] == "4x10GB/s"
+    with pytest.raises(ProfileError, match=r"link_bandwidth must be a positive number of bytes/s, found -1"):
+        Profile.load(write(tmp_path, {**GOOD, "link_bandwidth": -1}))
