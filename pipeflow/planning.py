@@ -21,6 +21,13 @@ def make_plan(args: argparse.Namespace, spec: ModelSpec, world_size: int, rank: 
     """The plan from --plan; an even or explicit split (--layers-per-stage); otherwise rank 0 profiles
     the layers and runs the planner for this many workers, and every rank gets its plan."""
     n = len(spec.layers)
+    gb = getattr(args, "global_batch", None)
+    if gb is not None:
+        if gb < 1:
+            raise UsageError(f"--global-batch must be >= 1, found {gb}")
+        if args.plan or args.layers_per_stage or args.microbatches is not None:
+            raise UsageError("--global-batch chooses the microbatch size and count when planning on the spot; "
+                             "drop --plan, --layers-per-stage and --microbatches")
     if args.plan:
         plan = Plan.load(args.plan)
         plan.validate(num_layers=n, world_size=world_size)
@@ -32,7 +39,10 @@ def make_plan(args: argparse.Namespace, spec: ModelSpec, world_size: int, rank: 
     from partitioner.plan import even_plan
 
     if not args.layers_per_stage:
-        return plan_on_the_spot(args, spec, world_size, rank, mpi)
+        plan = plan_on_the_spot(args, spec, world_size, rank, mpi)
+        if gb is not None:  # every rank loads microbatches of the size the planner chose
+            args.microbatch_size = int(plan.extra["planner"]["microbatch_size"])
+        return plan
     counts = None
     if args.layers_per_stage != "even":
         try:
@@ -51,21 +61,29 @@ def plan_on_the_spot(args: argparse.Namespace, spec: ModelSpec, world_size: int,
     if rank == 0:
         try:
             from partitioner.auto import AUTO, candidates_table, plan_schedule
+            from partitioner.batch import global_batch_table, plan_global_batch
             from partitioner.profiler import profile_model
 
             device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
             t0 = time.perf_counter()
             # In this rank's own thread count (what training runs with); the loss and --optimizer's step timed.
             notes: list[str] = []
-            profile = profile_model(spec, args.microbatch_size, device, dtype=args.dtype, warmup=1, repeats=3,
-                                    seed=args.seed, optimizer=args.optimizer, warnings=notes)
+            gb = getattr(args, "global_batch", None)
+            sizes = [args.microbatch_size] if gb is None else \
+                [b for b in (64, 32, 16, 8, 4, 2, 1) if gb % b == 0][:4]
+            profile, *others = [profile_model(spec, b, device, dtype=args.dtype, warmup=1, repeats=3, seed=args.seed,
+                                              optimizer=args.optimizer, warnings=notes) for b in sizes]
+            profile.others = others
             for note in notes:
                 log.warning("profiling on the spot: %s", note)
             # Without --schedule: the fastest flush schedule (--schedule auto), all equal to single-process training.
-            planned = plan_schedule(profile, world_size, schedule=args.schedule or AUTO,
-                                    microbatches=args.microbatches or 8, topology=args.topology,
-                                    memory_per_worker=args.memory_per_worker, straight=args.straight,
-                                    optimizer=args.optimizer)
+            common = dict(schedule=args.schedule or AUTO, topology=args.topology, straight=args.straight,
+                          memory_per_worker=args.memory_per_worker, optimizer=args.optimizer)
+            if gb is None:
+                planned = plan_schedule(profile, world_size, microbatches=args.microbatches or 8, **common)
+            else:
+                planned = plan_global_batch(profile, world_size, global_batch=gb, **common)
+                log.info("%s", global_batch_table(planned))
             plan = planned.plan
             if args.schedule is None:
                 log.info("%s", candidates_table(planned))

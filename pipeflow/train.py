@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "of profiling and planning on the spot")
     p.add_argument("--straight", action="store_true", help="planning on the spot: no replicated stages")
     p.add_argument("--topology", default=None, help="planning on the spot: e.g. 8x300GB/s,4x25GB/s")
+    p.add_argument("--global-batch", type=int, default=None, metavar="G",
+                   help="planning on the spot: samples per step; the planner picks the microbatch size b among "
+                        "the powers of two dividing G (the 4 largest, up to 64) and m = G / b")
     p.add_argument("--memory-per-worker", default=None, help="planning on the spot: e.g. 16GB")
     p.add_argument("--warmup", default="min",
                    help="1f1b forwards before the first backward, per stage: min (DAPPLE, S-1-s), fill (keep "

@@ -124,3 +124,23 @@ def test_profiler_writes_several_sizes(tmp_path: Path, capsys: pytest.CaptureFix
         assert profile_main(["--model", "mlp", *args, "-o", str(tmp_path / "q.json")]) == 2
         err = capsys.readouterr().err
         assert err.startswith("pipeflow-profile: error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("flags,message", [
+    ({"global_batch": 0}, "--global-batch must be >= 1, found 0"),
+    ({"plan": "plan.json"}, "--global-batch chooses the microbatch size and count when planning on the spot"),
+    ({"microbatches": 4}, "drop --plan, --layers-per-stage and --microbatches"),
+    ({"layers_per_stage": "even"}, "drop --plan, --layers-per-stage and --microbatches"),
+])
+def test_train_global_batch_conflicts(flags: dict[str, object], message: str) -> None:
+    """pipeflow-train --global-batch plans on the spot only: refused, before any profiling, with a plan,
+    a hand split or a microbatch count."""
+    from argparse import Namespace
+
+    from pipeflow.failure import UsageError
+    from pipeflow.planning import make_plan
+    from pipeflow.spec import build_model
+
+    args = Namespace(**{"global_batch": 8, "plan": None, "layers_per_stage": None, "microbatches": None, **flags})
+    with pytest.raises(UsageError, match=message):
+        make_plan(args, build_model("mlp", {"layers": 2}), 2, 0, None)
