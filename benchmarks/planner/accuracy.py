@@ -23,6 +23,7 @@ from pathlib import Path
 CASES = [
     ("mlp", {"layers": 8, "hidden": 512}, 2, 32, 8, "1f1b", 30),
     ("mlp", {"layers": 8, "hidden": 512}, 2, 32, 8, "gpipe", 30),
+    ("mlp", {"layers": 8, "hidden": 2048}, 2, 32, 8, "1f1b", 10),
     ("gpt", {"layers": 4, "d_model": 128, "heads": 4, "seq_len": 64, "dataset": "synthetic", "dataset_size": 4096},
      2, 8, 8, "1f1b", 20),
 ]
