@@ -21,7 +21,7 @@ from partitioner.tree import LeafStage, Node, Solution, evaluate, flatten
 __all__ = ["INF", "OPTIMIZER_STATES", "SCHEDULES", "CostModel", "LayerCosts", "LeafStage", "Node", "PlanningError",
            "Progress", "Solution", "Tables", "evaluate", "flatten", "solve", "tabulate"]
 
-_MINMAX_WIDTH = 16  # columns per block in _minmax: narrower blocks give narrower bands but more of them
+_MINMAX_WIDTH = 32  # columns per block in _minmax: narrower blocks give narrower bands but more of them
 
 
 class Progress:
@@ -90,7 +90,7 @@ class _Level:
 
 
 def _minmax(best: np.ndarray, w: int, i: int, left: np.ndarray, base: np.ndarray, work: np.ndarray,
-            workers: np.ndarray, width: int = 32) -> None:
+            workers: np.ndarray, width: int = _MINMAX_WIDTH) -> None:
     """best[w, i, j] = min(itself, min over (w', k) of max(left[w', k], best[w - w', k, j])) for j > i + 1.
 
     Row t of left is the split k = i + 1 + t; w' = a + 1 for row a. Columns j are taken in blocks of

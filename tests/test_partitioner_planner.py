@@ -274,10 +274,10 @@ def naive_level(model: CostModel, level: int, inner: np.ndarray | None) -> np.nd
 
 @pytest.mark.parametrize("seed", range(6))
 def test_banded_inner_table_equals_the_recurrence(seed: int) -> None:
-    """_minmax cuts rows by two bounds and gathers column blocks: on ranges longer than a block (with layers
+    """_minmax cuts rows by two bounds and gathers column blocks: on ranges over two blocks long (with layers
     of no compute, where the bounds tie) the table equals the plain recurrence exactly."""
     rng = np.random.default_rng(seed)
-    n_layers = 40
+    n_layers = 72
     f = rng.uniform(0, 3, n_layers) * (rng.random(n_layers) > 0.25)
     lay = LayerCosts.of(f, 2 * f, rng.choice([0, 1e5, 1e6], n_layers), rng.uniform(0, 1e6, n_layers),
                         rng.choice([0, 1e6, 1e7], n_layers), loss_ms=float(rng.uniform(0, 2)))
