@@ -99,24 +99,48 @@ def _minmax(best: np.ndarray, w: int, i: int, left: np.ndarray, base: np.ndarray
     costs at least its work spread over its workers, (work[j] - work[k]) / workers[a] (`work` the prefix
     sums of m * compute, `workers[a]` those of w - w' units), which never increases with k, so rows before
     the first that can reach the current value of some column are cut. The bands, about a block wide, are
-    gathered in one go: O(L^2 n^2 width) per level in practice instead of O(L^3 n^2)."""
-    L1, row = best.shape[1], best.shape[2]  # L + 1 rows, L + 1 + width columns
+    gathered in one go: O(L^2 n^2 width) per level in practice instead of O(L^3 n^2). A block with a
+    column still infinite (its one-stage plan over memory) cuts nothing: it is first seeded with the splits
+    next to the balanced one, where the two bounds meet."""
+    L1 = best.shape[1]  # L + 1 rows
     n_a, n_k = left.shape
     n_j = n_k  # columns j = i + 2 .. L, rows k = i + 1 .. L - 1
     nb = -(-n_j // width)
     out = np.full(nb * width, -INF)
     out[:n_j] = best[w, i, i + 2:L1]
     seg = out.reshape(nb, width)
+    ends = np.minimum(n_j, np.arange(1, nb + 1) * width)  # rows t <= column c: non-empty rests only
+    rows = work[i + 1:L1 - 1]
+    if np.isinf(seg.max(axis=1)).any():
+        total = workers[0] + workers[-1]  # w units' workers (workers[a] + those of a + 1 units, any a)
+        first_j = work[i + 2 + np.arange(nb) * width]
+        last_j = work[i + 1 + ends]
+        # The split where w' and w - w' units get work in proportion: work[k] = (w'' work[i] + w' work[j]) / w.
+        lo = np.maximum(np.searchsorted(rows, (workers[:, None] * work[i] + (total - workers[:, None])
+                                               * first_j[None, :]) / total) - 1, 0)
+        hi = np.minimum(np.searchsorted(rows, (workers[:, None] * work[i] + (total - workers[:, None])
+                                               * last_j[None, :]) / total) + 1, ends[None, :])
+        hi = np.where(np.isinf(seg.max(axis=1))[None, :], hi, 0)
+        _gather_min(best, w, i, left, lo, hi, width, seg)
     ub = seg.max(axis=1)
     wk = np.full(nb * width, work[-1])
     wk[:n_j] = work[i + 2:]
     slack = 1e-12 * abs(float(work[-1]))  # the prefix sums' rounding
     thr = (wk.reshape(1, nb, width) - seg[None] * (1 + 1e-9) * workers[:, None, None]).min(axis=2) - slack
-    lo = np.searchsorted(work[i + 1:L1 - 1], thr.ravel(), side="right").reshape(n_a, nb)
+    lo = np.searchsorted(rows, thr.ravel(), side="right").reshape(n_a, nb)
     hi = np.empty((n_a, nb), dtype=np.int64)
     for a in range(n_a):
         hi[a] = np.searchsorted(base[a], ub, side="left")
-    hi = np.minimum(hi, np.minimum(n_j, np.arange(1, nb + 1) * width)[None, :])
+    _gather_min(best, w, i, left, lo, np.minimum(hi, ends[None, :]), width, seg)
+    best[w, i, i + 2:L1] = out[:n_j]
+
+
+def _gather_min(best: np.ndarray, w: int, i: int, left: np.ndarray, lo: np.ndarray, hi: np.ndarray, width: int,
+                seg: np.ndarray) -> None:
+    """seg[b] = min(seg[b], max(left[a, t], best[w - 1 - a, i + 1 + t, block b's columns])) over a and the
+    rows lo[a, b] <= t < hi[a, b], in place (_minmax's bands, gathered with one fancy index)."""
+    L1, row = best.shape[1], best.shape[2]  # L + 1 rows, L + 1 + width columns
+    n_a, nb = lo.shape
     cnt = np.maximum(hi - lo, 0).T.ravel()  # segments ordered by block, then w'
     total = int(cnt.sum())
     if total == 0:
@@ -137,7 +161,6 @@ def _minmax(best: np.ndarray, w: int, i: int, left: np.ndarray, base: np.ndarray
     red = np.minimum.reduceat(vals, firsts, axis=0)
     np.minimum(seg[some], red, out=red)
     seg[some] = red
-    best[w, i, i + 2:L1] = out[:n_j]
 
 
 @dataclass
