@@ -222,10 +222,11 @@ def test_profile_runs_with_the_thread_count_of_a_rank(tmp_path: Path, capsys: py
 
 def test_noisy_repeats_are_reported() -> None:
     """One repeat 40 ms slower than the others (a busy machine): the profile says so in one warning line."""
-    # Calls of the first layer's forward: the memory check, the output, the saved tensors, then two timed
-    # forwards per repeat: call 5 is the second repeat's first (timed) forward.
+    # Calls of the measured copy's forward: its output (0), its saved tensors (1), then two forwards per
+    # repeat, the first of each counted in the spread (the second accumulates): with one warm-up (2, 3),
+    # call 6 is the second measured repeat's counted forward. (The memory check runs on another copy.)
     warnings: list[str] = []
-    profile_model(probe_model(slow_call=5, slow_ms=40), 2, "cpu", warmup=0, repeats=3, threads=1, warnings=warnings)
+    profile_model(probe_model(slow_call=6, slow_ms=40), 2, "cpu", warmup=1, repeats=3, threads=1, warnings=warnings)
     assert len(warnings) == 1 and warnings[0].startswith("timings vary between repeats: the slowest of 3 passes")
     quiet: list[str] = []
     profile_model(probe_model(), 2, "cpu", warmup=0, repeats=1, threads=1, warnings=quiet)
