@@ -3,6 +3,7 @@
     pipeflow-plan profile.json --workers 32 --topology 8x300GB/s,4x25GB/s --memory-per-worker 16GiB \\
         --schedule 1f1b --microbatches auto -o plan.json --timeline plan.png
     pipeflow-plan profile.json --evaluate my_plan.json --topology 8x300GB/s,4x25GB/s -o priced.json
+    pipeflow-plan profile.json --workers 8 --schedule auto -o plan.json      # the fastest flush schedule
 
 The DP bounds every plan's step time from below; the simulator replays the schedule on the plans in order
 of bound until no unvisited plan can be faster, so the plan written is the fastest the simulator knows.
@@ -13,6 +14,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from partitioner.auto import AUTO, candidates_table, plan_schedule
+from partitioner.batch import global_batch_table, plan_global_batch
 from partitioner.plan import Plan, PlanError
 from partitioner.planner import OPTIMIZER_STATES, SCHEDULES, PlanningError
 from partitioner.profile import Profile, ProfileError
@@ -21,7 +24,6 @@ from partitioner.service import (
     _check_microbatches,
     _topology,
     evaluate_plan,
-    plan_detailed,
 )
 from partitioner.topology import TopologyError, format_bytes
 from pipeflow.kinds import schedule_kind
@@ -67,10 +69,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=None, help="ranks to plan for (with --evaluate: the plan's)")
     p.add_argument("--topology", default=None,
                    help="levels COUNTxBANDWIDTH, innermost first, e.g. 8x300GB/s,4x25GB/s (default: one level "
-                        "of all workers at 10GB/s)")
+                        "of all workers at the profile's measured GPU-to-GPU bandwidth, else 10GB/s)")
     p.add_argument("--memory-per-worker", default=None, help="bytes, e.g. 16GB, 16GiB, 1e9")
-    p.add_argument("--schedule", choices=SCHEDULES, default=None, help="default 1f1b (--evaluate: the plan's)")
+    p.add_argument("--schedule", choices=(*SCHEDULES, AUTO), default=None,
+                   help="default 1f1b (--evaluate: the plan's); auto: the flush schedule of highest predicted "
+                        "throughput under the memory limit, with the table of candidates")
     p.add_argument("--microbatches", default=None, help="m, or auto (default; --evaluate: the plan's)")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="samples per step G: choose the microbatch size b (among the profile's sizes) and m = G / b")
     p.add_argument("--straight", action="store_true", help="no replicated stages")
     p.add_argument("--virtual-stages", type=int, default=2, metavar="V",
                    help="--schedule interleaved: model chunks per rank, placed round-robin (default 2); "
@@ -100,6 +106,8 @@ def _evaluate(args: argparse.Namespace, profile: Profile) -> Planned:
         if given is not None and given != own:
             raise PlanError(f"{flag} {given} differs from the plan's {own} ({args.evaluate}); drop {flag} "
                             "to evaluate the plan as written")
+    if args.global_batch is not None:
+        raise PlanError("--global-batch shapes a search; --evaluate prices the plan as written")
     if args.memory_per_worker is not None or args.straight:
         raise PlanError("--memory-per-worker and --straight shape a search; --evaluate prices the plan as written")
     return evaluate_plan(profile, plan, topology=args.topology, optimizer=args.optimizer,
@@ -112,18 +120,24 @@ def main(argv: list[str] | None = None) -> int:
         if args.evaluate is None:
             if args.workers is None:
                 raise PlanningError("--workers is required (or --evaluate PLAN)")
+            if args.global_batch is not None and args.microbatches is not None:
+                raise PlanningError("--global-batch chooses the microbatch count; drop --microbatches")
             mb = _microbatches(args.microbatches or "auto")
             _topology(args.workers, None)  # refuse sizes before reading anything
         profile = Profile.load(args.profile)
         if args.evaluate is not None:
             planned = _evaluate(args, profile)
         else:
-            planned = plan_detailed(profile, args.workers, schedule=args.schedule or "1f1b", microbatches=mb,
-                                    topology=args.topology, memory_per_worker=args.memory_per_worker,
-                                    straight=args.straight, optimizer=args.optimizer,
-                                    keep_timeline=args.timeline is not None,
-                                    virtual_stages=args.virtual_stages
-                                    if schedule_kind(args.schedule or "1f1b").chunk_order is not None else 1)
+            common = dict(topology=args.topology, memory_per_worker=args.memory_per_worker, straight=args.straight,
+                          optimizer=args.optimizer, keep_timeline=args.timeline is not None)
+            if args.schedule not in (None, AUTO) and schedule_kind(args.schedule).chunk_order is not None:
+                common["virtual_stages"] = args.virtual_stages
+            if args.global_batch is not None:
+                planned = plan_global_batch(profile, args.workers, global_batch=args.global_batch,
+                                            schedule=args.schedule or "1f1b", **common)
+            else:
+                planned = plan_schedule(profile, args.workers, schedule=args.schedule or "1f1b", microbatches=mb,
+                                        **common)
         if args.timeline:
             from partitioner.timeline import draw
             draw(planned, args.timeline)
@@ -131,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     except (PlanningError, TopologyError, ProfileError, PlanError, OSError) as e:
         print(f"pipeflow-plan: error: {e}", file=sys.stderr)
         return 2
+    for text in (global_batch_table(planned), candidates_table(planned)):
+        if text:
+            print(text)
     print(table(planned))
     print(f"wrote {args.output}" + (f" and {args.timeline}" if args.timeline else ""))
     return 0

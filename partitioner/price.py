@@ -17,13 +17,16 @@ def schedule_rule(schedule: str, microbatches: int, replicas: Sequence[int]) -> 
 
 
 def level_factors(ranks: Sequence[int], topology: Topology) -> list[int]:
-    """How many groups of each level the ranks span inside one group of the level above: the ring sizes
-    of a hierarchical all-reduce among them."""
+    """How many groups of each level the ranks span inside one group of the level above, in the fullest
+    such group: the ring sizes of a hierarchical all-reduce among them. Replicas need not fill whole groups
+    (15 ranks of 4x4 workers: three full servers and three GPUs of the fourth): each level's ring runs in
+    every group at once, so the fullest group sets its time."""
     out = []
     for k in range(len(topology.levels)):
-        here = {r // topology.unit_size(k) for r in ranks}
-        above = {r // topology.unit_size(k + 1) for r in ranks}
-        out.append(max(1, len(here) // max(1, len(above))))
+        per_group: dict[int, set[int]] = {}
+        for r in ranks:
+            per_group.setdefault(r // topology.unit_size(k + 1), set()).add(r // topology.unit_size(k))
+        out.append(max((len(units) for units in per_group.values()), default=1))
     return out
 
 

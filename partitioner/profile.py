@@ -5,6 +5,14 @@ read files with them): per layer `backward_accumulate_ms`, the backward when gra
 (every microbatch of a step but the first); at the top, `loss_ms` (the loss's forward and backward per
 microbatch) and `optimizer_ms_per_byte` ({"adam": ..., "sgd": ...}: one optimizer step per parameter byte).
 The planner uses them when present and counts them as 0 (or backward_ms) when absent.
+
+On CUDA with more than one GPU visible, the optional `link_bandwidth` (bytes/s, measured GPU to GPU) is the
+default topology of pipeflow-plan when --topology is not given.
+
+One file may hold the model at several microbatch sizes (`pipeflow-profile --microbatch-sizes 2,4,8`, for
+`pipeflow-plan --global-batch`): the top level is the first size, as a one-size file, and the optional
+`other_microbatch_sizes` lists complete profiles of the same layers at the other sizes. Older readers see a
+one-size profile.
 """
 from __future__ import annotations
 
@@ -73,9 +81,15 @@ class Profile:
     layers: list[LayerProfile] = field(default_factory=list)
     loss_ms: float | None = None
     optimizer_ms_per_byte: dict[str, float] = field(default_factory=dict)
+    others: list[Profile] = field(default_factory=list)  # the same layers at other microbatch sizes
+    link_bandwidth: float | None = None  # bytes/s between two devices, measured (CUDA, >1 GPU)
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def at_sizes(self) -> list[Profile]:
+        """This profile and those at its other microbatch sizes, by size."""
+        return sorted([self, *self.others], key=lambda p: p.microbatch_size)
 
     def validate(self, source: str = "profile") -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -100,6 +114,19 @@ class Profile:
                                                 for k, v in opt.items()):
             raise ProfileError(f"{source}: optimizer_ms_per_byte must map optimizer names to non-negative "
                                f"numbers, found {_show(opt)}")
+        bw = self.link_bandwidth
+        if bw is not None and (not _is_number(bw) or not 0 < bw < MAX_BYTES):
+            raise ProfileError(f"{source}: link_bandwidth must be a positive number of bytes/s, found {_show(bw)}")
+        sizes = [mb]
+        for k, other in enumerate(self.others):
+            where = f"{source}: other_microbatch_sizes[{k}]"
+            if other.microbatch_size in sizes:
+                raise ProfileError(f"{where}: microbatch_size {other.microbatch_size} appears twice; expected one "
+                                   "profile per size")
+            if [x.name for x in other.layers] != [x.name for x in self.layers] or other.others:
+                raise ProfileError(f"{where}: expected the same {len(self.layers)} layers as the top level, "
+                                   f"found {len(other.layers)} layers named differently or nested sizes")
+            sizes.append(other.microbatch_size)
 
     # Per-layer columns, for the planner.
     def column(self, key: str) -> list[float]:
@@ -120,6 +147,10 @@ class Profile:
             d["loss_ms"] = self.loss_ms
         if self.optimizer_ms_per_byte:
             d["optimizer_ms_per_byte"] = self.optimizer_ms_per_byte
+        if self.others:
+            d["other_microbatch_sizes"] = [other.to_json() for other in self.others]
+        if self.link_bandwidth is not None:
+            d["link_bandwidth"] = self.link_bandwidth
         return d
 
     def save(self, path: str | Path) -> None:
@@ -143,9 +174,14 @@ class Profile:
                                     if k in entry})
             layer.check(where)
             layers.append(layer)
+        others = d.get("other_microbatch_sizes", [])
+        if not isinstance(others, list):
+            raise ProfileError(f"{source}: other_microbatch_sizes must be a list, found {_show(others)}")
+        others = [cls.from_json(o, source=f"{source}: other_microbatch_sizes[{k}]") for k, o in enumerate(others)]
         try:
             return cls(d["model"], d.get("model_args", {}), d["device"], d["dtype"], d["microbatch_size"], layers,
-                       d.get("loss_ms"), d.get("optimizer_ms_per_byte", {}))
+                       d.get("loss_ms"), d.get("optimizer_ms_per_byte", {}), others,
+                       link_bandwidth=d.get("link_bandwidth"))
         except ProfileError as e:
             # __post_init__ validated with the default source name; say which file.
             raise ProfileError(str(e).replace("profile: ", f"{source}: ", 1)) from None

@@ -7,14 +7,28 @@ import copy
 import os
 import statistics
 import sys
-import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
 
+from partitioner.measure import (
+    RANK_THREADS,
+    Timer,
+    cast_floats_to,
+    free_cached,
+    gpu_link_bandwidth,
+    machine_bytes,
+    map_tensors,
+    nbytes,
+    noise_warning,
+    optimizer_ms_per_byte,
+    prepare_input,
+    spread,
+    tensors,
+    time_loss,
+    torch_threads,
+)
 from partitioner.profile import LayerProfile, Profile, ProfileError
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.spec import ModelError, ModelSpec, build_model, model_dtype, parse_model_args
@@ -22,55 +36,9 @@ from pipeflow.spec import ModelError, ModelSpec, build_model, model_dtype, parse
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
-def _not_sequence(x: Any) -> bool:
-    """Pytree leaves here: everything but tuples and lists (a layer's data is a tensor or nested tuples/lists)."""
-    return not isinstance(x, (tuple, list))
-
-
-def tensors(x: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a layer's input or output (a tensor or a nested tuple/list of tensors), in order."""
-    return (t for t in tree_leaves(x, is_leaf=_not_sequence) if isinstance(t, torch.Tensor))
-
-
-def _map(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """`x` with `fn` applied to each of its tensors; its tuples, lists and other values kept."""
-    return tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) else t, x, is_leaf=_not_sequence)
-
-
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
     s = t.untyped_storage()
     return s.data_ptr(), s.nbytes()
-
-
-class _Timer:
-    """Milliseconds of a callable: CUDA events on GPU, perf_counter on CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn: Callable[[], Any]) -> float:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            return float(start.elapsed_time(end))
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
-
-def _prepare_input(x: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
-    """Detached copies on the device; floating ones (in `dtype` if given) requiring grad, as a stage's
-    received activations are."""
-    def prep(t: torch.Tensor) -> torch.Tensor:
-        t = t.detach().to(device)
-        if t.is_floating_point():
-            t = (t if dtype is None else t.to(dtype)).requires_grad_(True)
-        return t
-    return _map(x, prep)
 
 
 def _saved_bytes(layer: nn.Module, x: Any) -> int:
@@ -90,8 +58,14 @@ def _saved_bytes(layer: nn.Module, x: Any) -> int:
     return sum(seen.values())
 
 
-def _time_forward_backward(layer: nn.Module, x: Any, timer: _Timer) -> tuple[float, float]:
-    """One forward, then backward from random output gradients (what the next stage would send)."""
+def _time_forward_backward(layer: nn.Module, x: Any, timer: Timer, *, accumulate: bool) -> tuple[float, float]:
+    """One forward, then backward from random output gradients (what the next stage would send); with
+    `accumulate` into the gradients the parameters already hold, as every microbatch of a step but the first
+    does (the input's gradient is fresh either way, as a received activation's is)."""
+    if not accumulate:
+        layer.zero_grad(set_to_none=True)
+    for t in tensors(x):
+        t.grad = None
     holder: dict[str, Any] = {}
 
     def forward() -> None:
@@ -101,15 +75,14 @@ def _time_forward_backward(layer: nn.Module, x: Any, timer: _Timer) -> tuple[flo
     ys = [t for t in tensors(holder["y"]) if t.requires_grad]
     grads = [torch.randn_like(t) for t in ys]
     t_b = timer(lambda: torch.autograd.backward(ys, grads) if ys else None)
-    layer.zero_grad(set_to_none=True)
     return t_f, t_b
 
 
 def profile_layer(layer: nn.Module, x: Any, *, device: torch.device, dtype: torch.dtype | None, warmup: int,
                   repeats: int) -> tuple[dict[str, Any], Any]:
     """Measure one layer on input `x`; returns its numbers and its (detached) output for the next layer."""
-    timer = _Timer(device)
-    x = _prepare_input(x, device, dtype)
+    timer = Timer(device)
+    x = prepare_input(x, device, dtype)
     with torch.no_grad():
         out = layer(x)
     outs = list(tensors(out))
@@ -122,27 +95,22 @@ def profile_layer(layer: nn.Module, x: Any, *, device: torch.device, dtype: torc
 
     fwd: list[float] = []
     bwd: list[float] = []
+    acc: list[float] = []
+    passes: list[float] = []  # forward + backward of each repeat, for the spread between repeats
     for it in range(warmup + repeats):
-        t_f, t_b = _time_forward_backward(layer, x, timer)
+        t_f, t_b = _time_forward_backward(layer, x, timer, accumulate=False)
+        t_f2, t_a = _time_forward_backward(layer, x, timer, accumulate=True)
         if it >= warmup:
-            fwd.append(t_f)
+            fwd += [t_f, t_f2]
             bwd.append(t_b)
+            acc.append(t_a)
+            passes.append(t_f + t_b)
+    layer.zero_grad(set_to_none=True)
     stats = {"name": type(layer).__name__, "forward_ms": statistics.median(fwd),
              "backward_ms": statistics.median(bwd), "output_bytes": output_bytes,
-             "activation_bytes": activation_bytes, "parameter_bytes": parameter_bytes}
+             "activation_bytes": activation_bytes, "parameter_bytes": parameter_bytes,
+             "backward_accumulate_ms": statistics.median(acc), "_passes": passes}
     return stats, out
-
-
-class _WithLoss(nn.Module):
-    """The last layer followed by the loss on the microbatch's target (the fp32 cross-entropy of a language
-    model costs as much as a block): profiled as one layer, so the planner prices the last stage's real work."""
-
-    def __init__(self, layer: nn.Module, loss_fn: Any, target: Any) -> None:
-        super().__init__()
-        self.layer, self.loss_fn, self.target = layer, loss_fn, target
-
-    def forward(self, x: Any) -> torch.Tensor:
-        return self.loss_fn(self.layer(x), self.target)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -155,22 +123,6 @@ def _sandbox_copy(layer: nn.Module, device: torch.device, dtype: torch.dtype | N
     return copy.deepcopy(layer).to(device=device, dtype=dtype).train()
 
 
-def _free(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _machine_bytes(device: torch.device) -> tuple[int, str]:
-    """Memory a microbatch must fit in: the GPU's on cuda, the host's RAM otherwise."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory, f"GPU {device}"
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
-
-
-def _nbytes(x: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors(x))
-
-
 def _check_microbatch_fits(spec: ModelSpec, microbatch_size: int, device: torch.device,
                            dtype: torch.dtype | None, seed: int) -> None:
     """Refuse, before collating it, a microbatch that cannot fit (issue 11). Rule: measured on a probe of
@@ -178,25 +130,25 @@ def _check_microbatch_fits(spec: ModelSpec, microbatch_size: int, device: torch.
     and (2) the largest layer's input + output + saved activations must fit in the device's memory."""
     n = min(microbatch_size, 2)
     x, y = MicrobatchLoader(spec.dataset, n, seed=seed).microbatch(0)
-    host = (_nbytes(x) + _nbytes(y)) * microbatch_size // n
+    host = (nbytes(x) + nbytes(y)) * microbatch_size // n
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if host > ram:
         raise ProfileError(f"--microbatch-size {microbatch_size} cannot work: its input and target take about "
                            f"{host / 2**30:.1f} GiB ({(host * n // microbatch_size)} bytes per {n} samples) but "
                            f"this machine has {ram / 2**30:.1f} GiB of RAM; use a smaller --microbatch-size")
     need = 0
-    x = _cast_floats_to(x, dtype)
+    x = cast_floats_to(x, dtype)
     for layer in spec.layers:
         work = _sandbox_copy(layer, device, dtype)
-        x = _prepare_input(x, device, None)
+        x = prepare_input(x, device, None)
         with torch.no_grad():
             out = work(x)
-        need = max(need, _nbytes(x) + _nbytes(out) + _saved_bytes(work, x))
-        x = _map(out, lambda t: t.detach())
+        need = max(need, nbytes(x) + nbytes(out) + _saved_bytes(work, x))
+        x = map_tensors(out, lambda t: t.detach())
         del work
-    _free(device)
+    free_cached(device)
     need = need * microbatch_size // n
-    room, where = _machine_bytes(device)
+    room, where = machine_bytes(device)
     if need > room:
         raise ProfileError(f"--microbatch-size {microbatch_size} cannot work: one layer needs about "
                            f"{need / 2**30:.1f} GiB for its input, output and saved activations (measured on {n} "
@@ -204,15 +156,17 @@ def _check_microbatch_fits(spec: ModelSpec, microbatch_size: int, device: torch.
                            "--microbatch-size")
 
 
-def _cast_floats_to(x: Any, dtype: torch.dtype | None) -> Any:
-    if dtype is None:
-        return x
-    return _map(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
-
-
 def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.device = "cpu", *,
-                  dtype: str | None = None, warmup: int = 2, repeats: int = 5, seed: int = 0) -> Profile:
-    """Profile every layer of `spec` on one real microbatch of its dataset, in order (in-process API).
+                  dtype: str | None = None, warmup: int = 2, repeats: int = 5, seed: int = 0,
+                  optimizer: str | None = "adam", threads: int | None = None,
+                  warnings: list[str] | None = None) -> Profile:
+    """Profile every layer of `spec` on one real microbatch of its dataset, in order (in-process API); then
+    the loss on the last layer's output and a step of `optimizer` per parameter byte (None: not timed).
+
+    The backward is timed twice per repeat: with no gradients yet (backward_ms) and accumulating into them
+    (backward_accumulate_ms, every microbatch of a flushed step but the first). `threads` torch threads
+    (None: the process's own, as planning on the spot in a rank uses); a noisy machine (repeats
+    disagreeing by more than measure.NOISY_SPREAD) appends a line to `warnings`.
 
     `dtype` None profiles in the model's own dtype, as pipeflow-train runs it without --dtype; floating
     inputs are cast to the dtype of the first floating-point parameter (pipeflow.stage.model_dtype).
@@ -231,48 +185,78 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     name = dtype or _dtype_name(in_dtype or torch.float32)
     cuda_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
     layers = []
-    with torch.random.fork_rng(devices=cuda_devices):  # restores the CPU and this GPU's generators
+    timer = Timer(dev)
+    # fork_rng restores the CPU and this GPU's generators
+    with torch.random.fork_rng(devices=cuda_devices), torch_threads(threads):
         _check_microbatch_fits(spec, microbatch_size, dev, in_dtype, seed)
         x, y = MicrobatchLoader(spec.dataset, microbatch_size, seed=seed).microbatch(0)
-        x = _cast_floats_to(x, in_dtype)
+        x = cast_floats_to(x, in_dtype)
         for i, layer in enumerate(spec.layers):
             work = _sandbox_copy(layer, dev, torch_dtype)
-            last = i == len(spec.layers) - 1
-            if last:  # the loss runs on the last stage after its last layer: its time and memory are that layer's
-                with torch.no_grad():
-                    logits_bytes = _nbytes(work(_prepare_input(x, dev, None)))
-                work = _WithLoss(work, spec.loss_fn, _map(y, lambda t: t.to(dev)))
             stats, x = profile_layer(work, x, device=dev, dtype=None, warmup=warmup, repeats=repeats)
-            if last:
-                stats["name"], stats["output_bytes"] = type(layer).__name__, logits_bytes
             del work
-            _free(dev)
+            free_cached(dev)
             stats["name"] = f"{i}:{stats['name']}"
             layers.append(stats)
+        try:
+            loss_ms = time_loss(spec.loss_fn, prepare_input(x, dev, None), map_tensors(y, lambda t: t.to(dev)), timer,
+                                warmup=warmup, repeats=repeats)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ProfileError(f"the model's loss failed on the last layer's output: {e}") from None
+        opt = optimizer and optimizer_ms_per_byte(
+            optimizer, (cast_floats_to(p.detach().to(dev), torch_dtype) for layer in spec.layers
+                        for p in layer.parameters()), timer, warmup=warmup, repeats=repeats)
+    passes = [sum(per_repeat) for per_repeat in zip(*(s.pop("_passes") for s in layers))]
+    note = noise_warning(spread(passes), repeats)
+    if note and warnings is not None:
+        warnings.append(note)
     return Profile(spec.name or "model", dict(spec.args), dev.type, name, microbatch_size,
-                   [LayerProfile(**s) for s in layers])
+                   [LayerProfile(**s) for s in layers], loss_ms, {optimizer: opt} if optimizer and opt else {},
+                   link_bandwidth=gpu_link_bandwidth(dev))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pipeflow-profile", description=__doc__)
     p.add_argument("--model", required=True, help="gpt, mlp or package.module:function")
     p.add_argument("--model-args", default=None, help="JSON object of keyword arguments for the model builder")
-    p.add_argument("--microbatch-size", type=int, required=True)
+    p.add_argument("--microbatch-size", type=int, default=None)
+    p.add_argument("--microbatch-sizes", default=None,
+                   help="several sizes, e.g. 2,4,8: one file holding a profile per size (for pipeflow-plan "
+                        "--global-batch); the first is the top level")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                    help="cast the layers to this dtype (default: the dtype the model's builder gave it)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="adam",
+                   help="the optimizer whose step is timed (optimizer_ms_per_byte)")
+    p.add_argument("--threads", type=int, default=None,
+                   help=f"torch threads (default on cpu: {RANK_THREADS}, as each rank under mpirun)")
     p.add_argument("-o", "--output", required=True, help="profile.json to write")
     return p.parse_args(argv)
+
+
+def _sizes(one: int | None, several: str | None) -> list[int]:
+    """The microbatch sizes to profile, from --microbatch-size or --microbatch-sizes (exactly one given)."""
+    if (one is None) == (several is None):
+        raise ProfileError("give exactly one of --microbatch-size B and --microbatch-sizes B,B,...")
+    if one is not None:
+        if one < 1:
+            raise ProfileError(f"--microbatch-size must be >= 1, found {one}")
+        return [one]
+    assert several is not None
+    parts = several.split(",")
+    if not all(x.strip().isdigit() and int(x) >= 1 for x in parts) or len(set(map(int, parts))) != len(parts):
+        raise ProfileError(f"--microbatch-sizes must be distinct positive integers separated by commas, found "
+                           f"{several!r}")
+    return [int(x) for x in parts]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        if args.microbatch_size < 1:
-            raise ProfileError(f"--microbatch-size must be >= 1, found {args.microbatch_size}")
+        sizes = _sizes(args.microbatch_size, args.microbatch_sizes)
         model_args = parse_model_args(args.model_args)
         try:
             spec = build_model(args.model, model_args, seed=args.seed)
@@ -280,8 +264,17 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(e, ModelError):
                 raise
             raise ModelError(f"cannot build model {args.model!r} with --model-args {model_args}: {e}") from None
-        prof = profile_model(spec, args.microbatch_size, args.device, dtype=args.dtype, warmup=args.warmup,
-                             repeats=args.repeats, seed=args.seed)
+        if args.threads is not None and args.threads < 1:
+            raise ProfileError(f"--threads must be >= 1, found {args.threads}")
+        threads = args.threads or (RANK_THREADS if args.device == "cpu" else None)
+        warnings: list[str] = []
+        if args.device == "cpu" and threads != RANK_THREADS:
+            warnings.append(f"--threads {threads}: ranks under mpirun run {RANK_THREADS} torch thread each, so "
+                            "layer times measured here will not match training")
+        prof, *others = [profile_model(spec, b, args.device, dtype=args.dtype, warmup=args.warmup,
+                                       repeats=args.repeats, seed=args.seed, optimizer=args.optimizer,
+                                       threads=threads, warnings=warnings) for b in sizes]
+        prof.others = others
         prof.save(args.output)
     except (ModelError, ProfileError, OSError) as e:
         print(f"pipeflow-profile: error: {e}", file=sys.stderr)
@@ -289,7 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     total_f = sum(layer.forward_ms for layer in prof.layers)
     total_b = sum(layer.backward_ms for layer in prof.layers)
     print(f"profiled {len(prof.layers)} layers of {prof.model} on {prof.device} ({prof.dtype}, microbatch "
-          f"{prof.microbatch_size}): forward {total_f:.3f} ms, backward {total_b:.3f} ms -> {args.output}")
+          f"{prof.microbatch_size}, {threads or torch.get_num_threads()} torch thread(s)): forward {total_f:.3f} "
+          f"ms, backward {total_b:.3f} ms, loss {prof.loss_ms or 0:.3f} ms"
+          + (f", GPU to GPU {prof.link_bandwidth / 1e9:.1f} GB/s" if prof.link_bandwidth else "")
+          + (f"; also at microbatch sizes {', '.join(str(b) for b in sizes[1:])}" if others else "")
+          + f" -> {args.output}")
+    for line in warnings:
+        print(f"pipeflow-profile: warning: {line}", file=sys.stderr)
     return 0
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from partitioner.plan import Plan, PlanError, StagePlan
 from partitioner.planner import (
@@ -25,7 +25,7 @@ from partitioner.price import predicted, price, schedule_rule
 from partitioner.profile import Profile
 from partitioner.search import search
 from partitioner.simulate import SimResult, StageCost
-from partitioner.topology import Topology, TopologyError, format_bytes, parse_bytes
+from partitioner.topology import Level, Topology, TopologyError, format_bytes, parse_bytes
 from pipeflow.kinds import schedule_kind
 
 # --microbatches auto: the smallest power of two up to AUTO_MAX_MICROBATCHES whose simulated bubble (share
@@ -42,6 +42,11 @@ MAX_MICROBATCHES = 4096
 # the best so far (about 0.5 s of simulation on the 2-core CI machine).
 SEARCH_LIMIT = 64
 SEARCH_WORK = 50_000
+# On several levels the DP replicates a stage over whole inner groups only; plans whose replica counts are
+# not multiples of a group (PipeDream's VGG-16 15-1 on 4x4 GPUs) come from a second search over one flat
+# level of all workers at the slowest bandwidth, priced on the real topology. Done where that DP is cheap.
+FLAT_CANDIDATES_MAX = 4096  # layers x workers
+FLAT_LIMIT = 16
 
 
 @dataclass
@@ -118,12 +123,24 @@ def _search(model: CostModel, keep_timeline: bool = False
 
     m = model.microbatches
     found = search(tabulate(model, Progress(_progress)), cost, limit=SEARCH_LIMIT, work=work, budget=SEARCH_WORK)
+    partial = False
+    topo = model.topology
+    if len(topo.levels) > 1 and model.num_layers * topo.workers <= FLAT_CANDIDATES_MAX:
+        flat = replace(model, topology=Topology((Level(topo.workers, min(lv.bandwidth for lv in topo.levels)),)))
+        try:
+            other = search(tabulate(flat), cost, limit=FLAT_LIMIT, work=work, budget=SEARCH_WORK / 4)
+        except PlanningError:
+            other = None
+        if other is not None and other.step_ms < found.step_ms:
+            found, partial = replace(other, exact=False), True
     costs, sim = run(found.solution, keep_timeline)
     # The bound is proven below the simulated time for flushed schedules on one level (tests/
     # test_planner_bruteforce.py); elsewhere the search is the simulator's choice among the DP's best bounds.
     exact = found.exact and schedule_kind(model.schedule).flush and len(model.topology.levels) == 1
     info: dict[str, object] = {"bound_ms": round(found.solution.objective_ms, 6), "plans_simulated": found.simulated,
                                "exact": exact}
+    if partial:
+        info["partial_groups"] = True  # from the flat search: its bound is of one flat level, not this topology
     return found.solution, costs, sim, info
 
 
@@ -146,13 +163,17 @@ def _plan_once(profile: Profile, model: CostModel, workers: int, keep_timeline: 
     return Planned(plan, costs, sim, sol)
 
 
-def _topology(workers: int, topology: Topology | str | None) -> Topology:
+def _topology(workers: int, topology: Topology | str | None, profile: Profile | None = None) -> Topology:
+    """The topology given, else one level at the profile's measured device-to-device bandwidth (CUDA
+    with several GPUs), else Topology.default."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise PlanningError(f"--workers must be a positive integer, found {workers!r}")
     if workers > MAX_WORKERS:
         raise PlanningError(f"--workers must be at most {MAX_WORKERS} (the planner's limit), found {workers}")
     if isinstance(topology, str):
         topology = Topology.parse(topology, workers)
+    if topology is None and profile is not None and profile.link_bandwidth:
+        topology = Topology((Level(workers, profile.link_bandwidth),))
     topology = topology or Topology.default(workers)
     if topology.workers != workers:
         raise TopologyError(f"--workers {workers} does not match the topology {topology} "
@@ -172,7 +193,7 @@ def plan_detailed(profile: Profile, workers: int, *, schedule: str = "1f1b", mic
                   topology: Topology | str | None = None, memory_per_worker: int | str | None = None,
                   straight: bool = False, optimizer: str = "adam", keep_timeline: bool = False,
                   virtual_stages: int = 1) -> Planned:
-    topo = _topology(workers, topology)
+    topo = _topology(workers, topology, profile)
     if microbatches != "auto":
         _check_microbatches(microbatches)
     if isinstance(memory_per_worker, str):
@@ -268,7 +289,7 @@ def plan_from_profile(profile: Profile, workers: int, *, schedule: str, microbat
 def evaluate_plan(profile: Profile, plan: Plan, *, topology: Topology | str | None = None,
                   optimizer: str = "adam", keep_timeline: bool = False) -> Planned:
     """Price a given plan (hand-written or from another tool) exactly as the planner prices its own."""
-    topo = _topology(plan.workers, topology)
+    topo = _topology(plan.workers, topology, profile)
     _check_microbatches(plan.microbatches)
     plan.validate(num_layers=len(profile.layers))
     why = schedule_rule(plan.schedule, plan.microbatches, plan.replicas)

@@ -118,6 +118,7 @@ class TrainConfig:
     warmup: str = "min"
     peak_tflops: float | None = None
     virtual_stages: int | None = None
+    global_batch: int | None = None
 
     def __post_init__(self) -> None:
         from pipeflow.kinds import SCHEDULES

@@ -69,6 +69,8 @@ class ScheduleKind:
     # plan may then list a rank group once per chunk); generates the orders instead of `order`.
     chunk_order: ChunkOrderFn | None = None
     m_multiple_of_stages: bool = False  # m is a multiple of the rank groups S (Megatron's interleaving)
+    # The parameter sets `--schedule auto` plans this record with (keyword arguments of the planning service)
+    variants: tuple[tuple[tuple[str, int], ...], ...] = ((),)
 
     @property
     def rule(self) -> str:
@@ -252,7 +254,8 @@ TABLE: tuple[ScheduleKind, ...] = (
     ScheduleKind("interleaved", _interleaved_v1, flush=True, step_per_backward=False, mean_over_replicas=False,
                  weights=Weights.LIVE, in_flight=InFlight.INTERLEAVED, warmup_applies=False, ties_allowed=True,
                  agree_every_step=True, replicas_divide_m=False, replicas_at_most_m=False,
-                 m_at_least_stages_minus_1=False, chunk_order=_interleaved, m_multiple_of_stages=True),
+                 m_at_least_stages_minus_1=False, chunk_order=_interleaved, m_multiple_of_stages=True,
+                 variants=((('virtual_stages', 2),),)),
 )
 _BY_NAME = {k.name: k for k in TABLE}
 SCHEDULES = tuple(_BY_NAME)

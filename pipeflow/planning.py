@@ -47,6 +47,13 @@ def virtual_stages(args: TrainConfig, schedule: str | None = None) -> int:
 
 def _make_plan(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, mpi: Any) -> Plan:
     n = len(spec.layers)
+    gb = args.global_batch
+    if gb is not None:
+        if gb < 1:
+            raise UsageError(f"--global-batch must be >= 1, found {gb}")
+        if args.plan or args.layers_per_stage or args.microbatches is not None:
+            raise UsageError("--global-batch chooses the microbatch size and count when planning on the spot; "
+                             "drop --plan, --layers-per-stage and --microbatches")
     if args.plan:
         plan = Plan.load(args.plan)
         plan.validate(num_layers=n, world_size=world_size)
@@ -87,17 +94,36 @@ def plan_on_the_spot(args: TrainConfig, spec: ModelSpec, world_size: int, rank: 
     result: tuple[str, Any] = ("error", "rank 0 did not plan")
     if rank == 0:
         try:
+            from partitioner.auto import AUTO, candidates_table, plan_schedule
+            from partitioner.batch import global_batch_table, plan_global_batch
             from partitioner.profiler import profile_model
-            from partitioner.service import plan_from_profile
 
             device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
             t0 = time.perf_counter()
-            profile = profile_model(spec, args.microbatch_size, device, dtype=args.dtype, warmup=1, repeats=3,
-                                    seed=args.seed)
-            plan = plan_from_profile(profile, world_size, schedule=args.schedule or "1f1b",
-                                     microbatches=args.microbatches or 8, topology=args.topology,
-                                     memory_per_worker=args.memory_per_worker, straight=args.straight,
-                                     optimizer=args.optimizer)
+            # In this rank's own thread count (what training runs with); the loss and --optimizer's step timed.
+            notes: list[str] = []
+            gb = args.global_batch
+            sizes = [args.microbatch_size] if gb is None else \
+                [b for b in (64, 32, 16, 8, 4, 2, 1) if gb % b == 0][:4]
+            profile, *others = [profile_model(spec, b, device, dtype=args.dtype, warmup=1, repeats=3, seed=args.seed,
+                                              optimizer=args.optimizer, warnings=notes) for b in sizes]
+            profile.others = others
+            for note in notes:
+                log.warning("profiling on the spot: %s", note)
+            # Without --schedule: the fastest flush schedule (--schedule auto), all equal to single-process training.
+            common: dict[str, Any] = dict(schedule=args.schedule or AUTO, topology=args.topology,
+                                          straight=args.straight, memory_per_worker=args.memory_per_worker,
+                                          optimizer=args.optimizer)
+            if virtual > 1:  # --schedule interleaved: chunks per rank
+                common["virtual_stages"] = virtual
+            if gb is None:
+                planned = plan_schedule(profile, world_size, microbatches=args.microbatches or 8, **common)
+            else:
+                planned = plan_global_batch(profile, world_size, global_batch=gb, **common)
+                log.info("%s", global_batch_table(planned))
+            plan = planned.plan
+            if args.schedule is None:
+                log.info("%s", candidates_table(planned))
             log.info("profiled %d layers on %s in %s and planned for %d workers in %.1f s (no --plan given); "
                      "predicted %s", len(spec.layers), device, profile.dtype, world_size, time.perf_counter() - t0,
                      {k: v for k, v in plan.predicted.items() if k != "peak_memory_bytes"})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import logging
 import os
 import sys
@@ -52,7 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "this runs that code, so name only modules you trust")
     p.add_argument("--model-args", default=None, help="JSON object of builder keyword arguments")
     p.add_argument("--plan", default=None, help="plan.json from pipeflow-plan; default: plan on the spot")
-    p.add_argument("--schedule", default=None, help=f"one of {', '.join(SCHEDULES)} (default: the plan's, or 1f1b)")
+    p.add_argument("--schedule", default=None,
+                   help=f"one of {', '.join(SCHEDULES)} (default: the plan's; planning on the spot, the flush "
+                        "schedule of highest predicted throughput, as pipeflow-plan --schedule auto; with "
+                        "--layers-per-stage, 1f1b)")
     p.add_argument("--steps", type=int, default=50, help="optimizer steps (minibatches) to train")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per minibatch (default: plan's or 8)")
     p.add_argument("--microbatch-size", type=int, default=4)
@@ -99,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "pipeline")
     p.add_argument("--straight", action="store_true", help="planning on the spot: no replicated stages")
     p.add_argument("--topology", default=None, help="planning on the spot: e.g. 8x300GB/s,4x25GB/s")
+    p.add_argument("--global-batch", type=int, default=None, metavar="G",
+                   help="planning on the spot: samples per step; the planner picks the microbatch size b among "
+                        "the powers of two dividing G (the 4 largest, up to 64) and m = G / b")
     p.add_argument("--memory-per-worker", default=None, help="planning on the spot: e.g. 16GB")
     p.add_argument("--warmup", default="min",
                    help="1f1b forwards before the first backward, per stage: min (DAPPLE, S-1-s), fill (keep "
@@ -216,6 +223,8 @@ def _main(args: argparse.Namespace, comm: Control, watchdog: Any) -> int:
         prepare_outputs(cfg, rank)  # every output path writable; rank 0 locks --checkpoint-dir until it exits
         spec = build_model(cfg.model, parse_model_args(cfg.model_args), seed=cfg.seed)
         plan = make_plan(cfg, spec, size, rank, comm)
+        if cfg.global_batch is not None:  # every rank loads microbatches of the size the planner chose
+            cfg = dataclasses.replace(cfg, microbatch_size=int(plan.extra["planner"]["microbatch_size"]))
         list_size = config.check_plan(plan, cfg, SCHEDULES)
         check_ties(spec, plan)
     except (UsageError, PlanError, ModelError, ScheduleError, ValueError) as e:

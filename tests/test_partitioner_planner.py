@@ -253,3 +253,39 @@ def test_search_cut_short_still_answers_with_the_dp_optimum() -> None:
     got = search(tables, price, expansions=0)
     assert priced == [len(solve(model).stages)] and got.exact is False and got.simulated == 1
     assert [(s.start, s.end) for s in got.solution.stages] == [(s.start, s.end) for s in solve(model).stages]
+
+
+def naive_level(model: CostModel, level: int, inner: np.ndarray | None) -> np.ndarray:
+    """best[w, i, j] of one inner level by the recurrence itself, every (w', k) tried."""
+    n, L = model.topology.levels[level].workers, model.num_layers
+    best = np.full((n + 1, L + 1, L + 1), INF)
+    for i in range(L - 1, -1, -1):
+        for w in range(1, n + 1):
+            for j in range(i + 1, L + 1):
+                cand = float(model.stage_row(level, i, np.array([j]), w, inner)[w - 1, 0])
+                if j > i + 1:
+                    ks = np.arange(i + 1, j)
+                    left = model.split_row(level, i, ks, w, inner)
+                    for w1 in range(1, w):
+                        cand = min(cand, float(np.maximum(left[w1 - 1], best[w - w1, i + 1:j, j]).min()))
+                best[w, i, j] = cand
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_banded_inner_table_equals_the_recurrence(seed: int) -> None:
+    """_minmax cuts rows by two bounds and gathers column blocks: on ranges over two blocks long (with layers
+    of no compute, where the bounds tie) the table equals the plain recurrence exactly."""
+    rng = np.random.default_rng(seed)
+    n_layers = 72
+    f = rng.uniform(0, 3, n_layers) * (rng.random(n_layers) > 0.25)
+    lay = LayerCosts.of(f, 2 * f, rng.choice([0, 1e5, 1e6], n_layers), rng.uniform(0, 1e6, n_layers),
+                        rng.choice([0, 1e6, 1e7], n_layers), loss_ms=float(rng.uniform(0, 2)))
+    topo = Topology.parse(["5x10GB/s,2x1GB/s", "3x100GB/s,2x10GB/s,2x1GB/s"][seed % 2])
+    model = CostModel(lay, topo, ["1f1b", "gpipe", "async"][seed % 3], int(rng.integers(1, 12)), "adam",
+                      [None, 5e7][seed % 2])
+    tables = tabulate(model)
+    inner = None
+    for level, got in enumerate(tables.levels):
+        np.testing.assert_array_equal(got.best, naive_level(model, level, inner))
+        inner = got.table()

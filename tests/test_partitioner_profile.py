@@ -5,6 +5,7 @@ import copy
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 from partitioner.profile import LayerProfile, Profile, ProfileError
 from partitioner.profiler import profile_model, tensors
 from pipeflow.data.loader import MicrobatchLoader
-from pipeflow.spec import build_model
+from pipeflow.spec import ModelSpec, build_model
 
 GOOD: dict[str, Any] = {
     "format": "pipeflow.profile/1", "model": "gpt", "model_args": {"layers": 4}, "device": "cpu",
@@ -153,3 +154,105 @@ def test_profile_cli_bad_model(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "p.json").exists()
 
+
+
+class Probe(torch.nn.Module):
+    """A linear layer that records the torch thread count it runs with and sleeps `slow_ms` on call `slow_call`."""
+
+    threads: list[int] = []
+
+    def __init__(self, slow_call: int = -1, slow_ms: float = 0.0) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.calls, self.slow_call, self.slow_ms = 0, slow_call, slow_ms
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Probe.threads.append(torch.get_num_threads())
+        if self.calls == self.slow_call:
+            time.sleep(self.slow_ms / 1e3)
+        self.calls += 1
+        return self.fc(x)
+
+
+def probe_model(slow_call: int = -1, slow_ms: float = 0.0) -> ModelSpec:
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 4, (8,)))
+    return ModelSpec([Probe(slow_call, slow_ms), torch.nn.Linear(4, 4)], torch.nn.functional.cross_entropy, data)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_profile_fills_the_fields_training_needs(tmp_path: Path, optimizer: str) -> None:
+    """Backward with gradient accumulation per layer, the loss, and the optimizer step per parameter byte
+    (issue 13): filled, written and read back, and used by the planner's cost columns."""
+    spec = build_model("mlp", {"layers": 3, "hidden": 32})
+    prof = profile_model(spec, 4, "cpu", warmup=1, repeats=2, optimizer=optimizer)
+    assert all(layer.backward_accumulate_ms is not None and layer.backward_accumulate_ms > 0 for layer in prof.layers)
+    assert prof.loss_ms is not None and prof.loss_ms > 0
+    assert list(prof.optimizer_ms_per_byte) == [optimizer] and prof.optimizer_ms_per_byte[optimizer] > 0
+    prof.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == prof
+    from partitioner.service import layer_costs
+    lay = layer_costs(prof, "1f1b", optimizer)
+    assert lay.loss_ms == prof.loss_ms and lay.optimizer_ms_per_byte == prof.optimizer_ms_per_byte[optimizer]
+    assert list(lay.backward_ms) == [layer.backward_accumulate_ms for layer in prof.layers]
+    assert not profile_model(spec, 4, "cpu", warmup=0, repeats=1, optimizer=None).optimizer_ms_per_byte
+
+
+def test_profile_runs_with_the_thread_count_of_a_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """pipeflow-profile on CPU times the layers with 1 torch thread, as a rank under mpirun runs, and puts
+    the process's count back; another count is stated and warned about."""
+    from partitioner.profiler import main
+    torch.set_num_threads(2)
+    Probe.threads = []
+    profile_model(probe_model(), 2, "cpu", warmup=0, repeats=1, threads=1)
+    assert set(Probe.threads) == {1} and torch.get_num_threads() == 2
+    Probe.threads = []
+    assert main(["--model", "tests.test_partitioner_profile:probe_model", "--microbatch-size", "2", "--warmup", "0",
+                 "--repeats", "1", "-o", str(tmp_path / "p.json")]) == 0
+    cap = capsys.readouterr()
+    assert set(Probe.threads) == {1} and "1 torch thread(s)" in cap.out and not cap.err
+    assert torch.get_num_threads() == 2
+    Probe.threads = []
+    assert main(["--model", "tests.test_partitioner_profile:probe_model", "--microbatch-size", "2", "--warmup", "0",
+                 "--repeats", "1", "--threads", "2", "-o", str(tmp_path / "p.json")]) == 0
+    cap = capsys.readouterr()
+    assert set(Probe.threads) == {2}
+    assert cap.err == ("pipeflow-profile: warning: --threads 2: ranks under mpirun run 1 torch thread each, so layer "
+                       "times measured here will not match training\n")
+
+
+def test_noisy_repeats_are_reported() -> None:
+    """One repeat 40 ms slower than the others (a busy machine): the profile says so in one warning line."""
+    # Calls of the measured copy's forward: its output (0), its saved tensors (1), then two forwards per
+    # repeat, the first of each counted in the spread (the second accumulates): with one warm-up (2, 3),
+    # call 6 is the second measured repeat's counted forward. (The memory check runs on another copy.)
+    warnings: list[str] = []
+    profile_model(probe_model(slow_call=6, slow_ms=40), 2, "cpu", warmup=1, repeats=3, threads=1, warnings=warnings)
+    assert len(warnings) == 1 and warnings[0].startswith("timings vary between repeats: the slowest of 3 passes")
+    quiet: list[str] = []
+    profile_model(probe_model(), 2, "cpu", warmup=0, repeats=1, threads=1, warnings=quiet)
+    assert quiet == []  # one repeat cannot disagree with itself
+    from partitioner.measure import noise_warning, spread
+    assert spread([10.0, 11.0, 12.0]) == pytest.approx(12 / 11) and noise_warning(12 / 11, 3) is None
+    assert "took 1.50 x the median" in (noise_warning(1.5, 3) or "")
+
+
+def test_measured_link_bandwidth_is_the_default_topology(tmp_path: Path) -> None:
+    """A profile taken on a host with several GPUs records their copy bandwidth; pipeflow-plan without
+    --topology plans on one level at that bandwidth instead of the 10 GB/s guess (issue 13)."""
+    from partitioner.measure import gpu_link_bandwidth
+    from partitioner.plan import Plan
+    from partitioner.service import evaluate_plan, plan_detailed
+
+    assert gpu_link_bandwidth(torch.device("cpu")) is None  # and profile_model leaves the field out on cpu
+    prof = Profile.load(write(tmp_path, {**GOOD, "device": "cuda", "link_bandwidth": 150e9}))
+    assert prof.link_bandwidth == 150e9
+    prof.save(tmp_path / "again.json")
+    assert json.loads((tmp_path / "again.json").read_text())["link_bandwidth"] == 150e9
+    plan = plan_detailed(prof, 4, microbatches=4).plan
+    assert plan.extra["planner"]["topology"] == "4x150GB/s"
+    assert plan_detailed(prof, 4, microbatches=4, topology="4x1GB/s").plan.extra["planner"]["topology"] == "4x1GB/s"
+    assert evaluate_plan(prof, Plan.from_json(plan.to_json())).plan.extra["planner"]["topology"] == "4x150GB/s"
+    assert plan_detailed(Profile.load(write(tmp_path, GOOD)), 4, microbatches=4).plan.extra["planner"][
+        "topology"] == "4x10GB/s"
+    with pytest.raises(ProfileError, match=r"link_bandwidth must be a positive number of bytes/s, found -1"):
+        Profile.load(write(tmp_path, {**GOOD, "link_bandwidth": -1}))

@@ -100,3 +100,23 @@ def test_committed_pipedream_profiles_load(model: str, layers: int, chain: bool)
     p = Profile.load(Path(__file__).parent.parent / "benchmarks" / "planner" / "pipedream" / model / "profile.json")
     assert (len(p.layers), p.model_args["chain"], p.model_args["source"]) == (layers, chain, "PipeDream graph.txt")
     assert all(x.output_bytes > 0 for x in p.layers[:-1])  # every cut carries something
+
+
+def test_vgg16_15_1_on_two_levels() -> None:
+    """PipeDream's VGG-16 finding (benchmarks/planner/pipedream.md): on 4 servers x 4 GPUs a stage replicated
+    15 times (three servers and three GPUs of the fourth) is proposed, and priced with the fullest group's
+    ring at each level."""
+    from pathlib import Path
+
+    from partitioner.price import level_factors
+    from partitioner.service import plan_detailed
+    from partitioner.topology import Topology
+
+    topo = Topology.parse("4x10GB/s,4x1.25GB/s")
+    assert level_factors(list(range(15)), topo) == [4, 4]
+    assert level_factors([0, 1, 4, 5, 8, 9], topo) == [2, 3]
+    prof = Profile.load(Path(__file__).resolve().parent.parent / "benchmarks/planner/pipedream/vgg16/profile.json")
+    plan = plan_detailed(prof, 16, schedule="async", microbatches=30, topology=topo).plan
+    assert [st.replicas for st in plan.stages] == [15, 1] and plan.stages[1].ranks == [15]
+    assert plan.extra["planner"]["search"]["partial_groups"] is True
+    assert plan.predicted["step_ms"] / 30 == pytest.approx(42.67, abs=0.01)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,35 @@ def test_plan_on_the_spot_equals_single_process(mpi: MpiRun):
     """No --plan: rank 0 profiles and plans for -np 3; whatever it picks trains like one process."""
     proc = mpi.proc
     assert "planned for 3 workers" in proc.stderr
+    # No --schedule: rank 0 compared every flush schedule of the kind table (--schedule auto) and says why.
+    assert "--schedule auto compared:" in proc.stderr and "chose " in proc.stderr, proc.stderr
+    assert re.search(r"^\s+gpipe\s", proc.stderr, re.M) and re.search(r"^\s+1f1b\s", proc.stderr, re.M)
     got = torch.load(mpi.dir / "model.pt", weights_only=True)
     want = reference_flush("mlp", MLP, steps=STEPS, microbatches=M, microbatch_size=B, optimizer="sgd", lr=0.05)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-11)
+
+
+GLOBAL_BATCH = 8
+
+
+def global_batch_on_the_spot(d: Path) -> Case:
+    return Case(2, ["--model", "mlp", "--model-args", json.dumps(MLP), "--steps", str(STEPS), "--global-batch",
+                    str(GLOBAL_BATCH), "--optimizer", "sgd", "--lr", "0.05", "--dtype", "float64", "--device", "cpu",
+                    "--save", str(d / "model.pt")], env={"PIPEFLOW_LOG": "INFO"})
+
+
+@batched(global_batch_on_the_spot)
+def test_global_batch_on_the_spot_equals_single_process(mpi: MpiRun):
+    """--global-batch 8 without a plan: rank 0 profiles at microbatch sizes 8, 4, 2, 1, the planner picks b and
+    m = 8 / b, every rank trains with that b, and the result is single-process training on 8 samples a step."""
+    proc = mpi.proc
+    assert "--global-batch 8 compared:" in proc.stderr, proc.stderr
+    found = re.search(r"plan: \w+, (\d+) microbatches of (\d+), stages", proc.stderr)
+    assert found, proc.stderr
+    m, b = int(found.group(1)), int(found.group(2))
+    assert m * b == GLOBAL_BATCH
+    got = torch.load(mpi.dir / "model.pt", weights_only=True)
+    want = reference_flush("mlp", MLP, steps=STEPS, microbatches=m, microbatch_size=b, optimizer="sgd", lr=0.05)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-11)

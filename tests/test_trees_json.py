@@ -17,8 +17,9 @@ import torch
 from torch.utils.data import default_collate
 
 from partitioner.jsonfile import write_json
+from partitioner.measure import map_tensors as _map
+from partitioner.measure import tensors
 from partitioner.plan import even_plan
-from partitioner.profiler import _map, tensors
 from pipeflow.comm import flatten
 from pipeflow.data.loader import MicrobatchLoader, collate
 from pipeflow.stage import _cast_floats, to_device
@@ -118,7 +119,7 @@ def test_write_json_failure_keeps_old_file_and_names_the_path(tmp_path: Path,
 # Hand-written recursive walkers over tensor trees are replaced by torch.utils._pytree; these are the
 # only functions allowed to test for (tuple, list) themselves: leaf predicates handed to pytree, the
 # structure-only list -> tuple of the first stage's input, and the loader's collate (kept: see above).
-ALLOWED = {("pipeflow/comm.py", "_not_sequence"), ("partitioner/profiler.py", "_not_sequence"),
+ALLOWED = {("pipeflow/comm.py", "_not_sequence"), ("partitioner/measure.py", "_not_sequence"),
            ("pipeflow/stage.py", "_as_tuples"), ("pipeflow/data/loader.py", "collate"),
            ("pipeflow/data/loader.py", "_tensors")}
 

@@ -1,0 +1,239 @@
+"""The DP's cost model (PipeDream SOSP'19 §3.1, extended): per-stage lower bounds of the simulated step time; pure.
+
+The DP computes, for every plan, a LOWER BOUND of its simulated step time (partitioner/simulate.py replays
+the real schedule): the busiest worker's own work. The search (partitioner/search.py) then visits plans in
+order of this bound and lets the simulator decide, so the plan chosen is the best one the simulator knows.
+
+Bound (time per minibatch of m microbatches, ms). A stage [i, j) on r units of level k, linked at
+bandwidth bw_k, with t = forward + backward (+ the loss on the last layer) per microbatch, b its backward,
+P its parameter bytes, q = ceil(m / r) the microbatches of its busiest replica (round-robin), costs
+
+    busy  = U(i, j) * q / m + steps * (max(0, AR(P, r, bw_k) - b) + opt * P)
+    port  = q * (in_bytes + out_bytes) / bw_k
+    stage = max(busy, port)                          (async, 2bw, inner levels)
+    stage = max(F(0, i) + max(busy', f + T(j, L) + q' b) + max(B(0, i), exposed), port)   (gpipe, 1f1b, top)
+    AR(P, r, bw) = 2 (r-1)/r * P / bw                                                     (ring all-reduce)
+
+U = m * t at level 0 and, at level k > 0, the best bound of [i, j) on one whole group of level k-1
+(PipeDream's hierarchical optimizer: the group is a black box, replicated r times). The all-reduce is
+bucketed into the last backward (pipeflow/reduce.py), so only its excess over b shows; `steps` is 1 per
+minibatch, q for `async` (a step per microbatch; above level 0 that of a leaf with as many replicas as
+the unit has workers, a lower bound) and the optimizer step `opt * P` follows each (opt from the
+profile, 0 when absent; at level 0, inner levels carry it in U). Ports are full duplex: a replica's send
+port carries its activations downstream and its input gradients upstream, q of each, and its receive
+port the same the other way; in_bytes is the output of layer i-1 (none for the first stage), out_bytes
+that of layer j-1 when a stage follows at this level. Under a flush (top level) latency counts: the
+replica's first forward waits for the forwards of layers [0, i) (F), its first backward for the round
+trip through layers [j, L) (T, f the stage's forward), and after its last backward the gradient still
+crosses the backwards of [0, i) (B) while the stage all-reduces and steps (busy' and exposed: busy
+without, and with, the step's part; q' = q on one level, 1 above). A plan's bound is the maximum over
+its stages; every worker is used. Schedule rules: `async` needs r | m, `2bw` r <= m.
+
+Memory is checked on level-0 stages: parameters * (2 + optimizer states + weight versions) plus the
+activations of the microbatches in flight, ceil(D / r) for 1F1B-like schedules (D = workers from this
+stage on, schedule.warmup_forwards + 1), all local ones for gpipe. Inside a group of a multi-level
+topology D is bounded by (workers left in the group) + (all workers outside it): conservative.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from partitioner.topology import Topology
+from pipeflow.kinds import SCHEDULES, InFlight, ScheduleKind, schedule_kind
+
+OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2}  # momentum; exp_avg + exp_avg_sq
+INF = float("inf")
+
+
+class PlanningError(ValueError):
+    """No plan satisfies the inputs; the message says which constraint and by how much."""
+
+
+@dataclass
+class LayerCosts:
+    """Per-layer columns of a profile (ms per microbatch, bytes)."""
+
+    forward_ms: np.ndarray
+    backward_ms: np.ndarray  # with gradient accumulation where the profile measured it
+    output_bytes: np.ndarray
+    activation_bytes: np.ndarray
+    parameter_bytes: np.ndarray
+    loss_ms: float = 0.0  # forward + backward of the loss per microbatch, on the last layer's stage
+    optimizer_ms_per_byte: float = 0.0  # one optimizer step, per parameter byte
+
+    @classmethod
+    def of(cls, forward_ms: Sequence[float], backward_ms: Sequence[float], output_bytes: Sequence[float],
+           activation_bytes: Sequence[float], parameter_bytes: Sequence[float], *, loss_ms: float = 0.0,
+           optimizer_ms_per_byte: float = 0.0) -> LayerCosts:
+        cols = [np.asarray(c, dtype=np.float64) for c in
+                (forward_ms, backward_ms, output_bytes, activation_bytes, parameter_bytes)]
+        if len({len(c) for c in cols}) != 1 or len(cols[0]) == 0:
+            raise PlanningError(f"layer cost columns must be non-empty and of equal length, found "
+                                f"{[len(c) for c in cols]}")
+        return cls(cols[0], cols[1], cols[2], cols[3], cols[4], float(loss_ms), float(optimizer_ms_per_byte))
+
+    def __len__(self) -> int:
+        return len(self.forward_ms)
+
+
+@dataclass
+class CostModel:
+    """The inputs of the DP and its cost functions (broadcasting over numpy arrays)."""
+
+    layers: LayerCosts
+    topology: Topology
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    optimizer: str = "adam"
+    memory_per_worker: float | None = None
+    straight: bool = False
+    C: np.ndarray = field(init=False, repr=False)  # prefix sums: compute, backward, parameters, activations
+    Bw: np.ndarray = field(init=False, repr=False)
+    Fw: np.ndarray = field(init=False, repr=False)
+    P: np.ndarray = field(init=False, repr=False)
+    A: np.ndarray = field(init=False, repr=False)
+    kind: ScheduleKind = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise PlanningError(f"--schedule must be one of {', '.join(SCHEDULES)}, found {self.schedule!r}")
+        self.kind = schedule_kind(self.schedule)
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise PlanningError(f"--optimizer must be one of {', '.join(OPTIMIZER_STATES)}, "
+                                f"found {self.optimizer!r}")
+        if self.microbatches < 1:
+            raise PlanningError(f"--microbatches must be >= 1, found {self.microbatches}")
+        zero = np.zeros(1)
+        lay = self.layers
+        t = lay.forward_ms + lay.backward_ms
+        t[-1] += lay.loss_ms
+        self.C = np.concatenate([zero, np.cumsum(t)])
+        self.Bw = np.concatenate([zero, np.cumsum(lay.backward_ms)])
+        self.Fw = np.concatenate([zero, np.cumsum(lay.forward_ms)])
+        self.P = np.concatenate([zero, np.cumsum(lay.parameter_bytes)])
+        self.A = np.concatenate([zero, np.cumsum(lay.activation_bytes)])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def bw(self, level: int) -> float:
+        """Bandwidth of a level in bytes per ms."""
+        return self.topology.levels[level].bandwidth / 1e3
+
+    def allreduce_ms(self, p: np.ndarray | float, r: np.ndarray | float, level: int) -> np.ndarray:
+        """Ring all-reduce of p bytes over r units (Patarasuk & Yuan): 2 (r-1)/r * p / bw."""
+        return 2.0 * (np.asarray(r) - 1) / r * p / self.bw(level)
+
+    def share(self, r: np.ndarray | float) -> np.ndarray:
+        """Microbatches of the busiest of r replicas (round-robin: ceil(m / r))."""
+        return np.ceil(self.microbatches / np.asarray(r, dtype=np.float64))
+
+    def steps(self, r: np.ndarray | float, level: int = 0) -> np.ndarray | float:
+        """Optimizer steps per minibatch of one replica: one, or one per own microbatch for async. Above
+        level 0 a unit may hold up to unit_size replicas of a leaf stage, each stepping on its own share."""
+        if not self.kind.step_per_backward:
+            return 1.0
+        return self.share(np.asarray(r, dtype=np.float64) * self.topology.unit_size(level))
+
+    def stage_ms(self, unit_ms: np.ndarray | float, i: np.ndarray | int, k: np.ndarray | int,
+                 r: np.ndarray | float, level: int) -> np.ndarray:
+        """Compute bound of stage [i, k) on r units: U ceil(m / r) / m (PipeDream 1F1B-RR: r replicas share
+        the m microbatches round-robin) plus, per step, the all-reduce beyond the last backward and the
+        optimizer step."""
+        p = self.P[k] - self.P[i]
+        b = self.Bw[k] - self.Bw[i]
+        exposed = np.maximum(0.0, self.allreduce_ms(p, r, level) - b)
+        if level == 0:
+            exposed = exposed + self.layers.optimizer_ms_per_byte * p
+        busy = np.asarray(unit_ms) * (self.share(r) / self.microbatches)
+        if self.kind.flush and level == len(self.topology.levels) - 1:
+            out = self._flushed(busy, i, k, r, b, exposed)
+        else:
+            out = busy + self.steps(r, level) * exposed
+        if self.kind.replicas_divide_m:  # async: the replicas all-reduce at every step: each runs as many
+            out = np.where(self.microbatches % np.asarray(r) == 0, out, INF)
+        if self.kind.replicas_at_most_m:  # 2bw: every replica owns a share of each minibatch
+            out = np.where(np.asarray(r) <= self.microbatches, out, INF)
+        return out
+
+    def _flushed(self, busy: np.ndarray, i: np.ndarray | int, k: np.ndarray | int, r: np.ndarray | float,
+                 b: np.ndarray, exposed: np.ndarray) -> np.ndarray:
+        """The flush makes latency count (gpipe, 1f1b; top level): a replica's first forward waits for
+        microbatch 0 to cross the stages before it (forward of layers [0, i)), its first backward for the
+        round trip through the stages after it (layers [k, L)), and after its last backward the gradient
+        still crosses the stages before it (backward of [0, i)) while it all-reduces and steps."""
+        L = self.num_layers
+        fwd = (self.C[k] - self.C[i]) - b  # forward of [i, k), the loss included on the last layer
+        # Level 0: the replica runs ceil(m / r) backwards; above, a unit's replicas are not known here.
+        backwards = self.share(r) if len(self.topology.levels) == 1 else 1.0
+        trip = fwd + (self.C[L] - self.C[k]) + backwards * b
+        return self.Fw[i] + np.maximum(busy, trip) + np.maximum(self.Bw[i], exposed)
+
+    def port_ms(self, i: np.ndarray | int, k: np.ndarray | int | None, r: np.ndarray | float,
+                level: int) -> np.ndarray:
+        """Busy time of the busiest replica's send (or receive) port: ceil(m / r) messages in, as many out."""
+        out = self.layers.output_bytes
+        nbytes = out[np.asarray(i) - 1] * (np.asarray(i) > 0)
+        if k is not None:
+            nbytes = nbytes + out[np.asarray(k) - 1]
+        return self.share(r) * nbytes / self.bw(level)
+
+    def in_flight(self, downstream: np.ndarray | int, r: np.ndarray | int) -> np.ndarray:
+        """Microbatches whose activations a replica keeps (schedule.warmup_forwards + 1, or all for gpipe)."""
+        r = np.asarray(r)
+        local = -(-self.microbatches // r)
+        if self.kind.in_flight is InFlight.ALL:
+            return local
+        fill = -(-np.asarray(downstream) // r)
+        return np.minimum(fill, local) if self.kind.in_flight is InFlight.FILL_UP_TO_ALL else fill
+
+    def memory_bytes(self, i: np.ndarray | int, j: np.ndarray | int, r: np.ndarray | int,
+                     downstream: np.ndarray | int) -> np.ndarray:
+        """Weights, gradients, optimizer state, stashed weight versions and in-flight activations."""
+        p = self.P[j] - self.P[i]
+        fl = self.in_flight(downstream, r)
+        return (p * (2 + OPTIMIZER_STATES[self.optimizer] + self.kind.stashed_versions(fl))
+                + fl * (self.A[j] - self.A[i]))
+
+    def outside(self, level: int) -> int:
+        """Workers outside one level-`level` group that may sit downstream of it (bound for D)."""
+        return self.topology.workers - self.topology.unit_size(level + 1)
+
+    def unit_ms(self, level: int, i: int, j: np.ndarray, inner: np.ndarray | None) -> np.ndarray:
+        if level == 0:
+            return self.microbatches * (self.C[j] - self.C[i])
+        assert inner is not None
+        return inner[i, j]
+
+    def stage_rows(self, level: int, i: int, ks: np.ndarray, n: int, inner: np.ndarray | None) -> np.ndarray:
+        """Cost of stages [i, k) for k in ks on r = 1..n units, inf where --straight forbids replicas;
+        shape (n, len(ks)). Memory is applied per range size by `fit`."""
+        rs = np.arange(1, n + 1, dtype=np.float64)[:, None]
+        out = self.stage_ms(self.unit_ms(level, i, ks, inner)[None, :], i, ks[None, :], rs, level)
+        if i > 0:
+            out = np.maximum(out, self.port_ms(i, None, rs, level))
+        if self.straight:
+            out[1:] = INF
+        return out
+
+    def fit(self, level: int, i: int, ks: np.ndarray, w: int, rows: np.ndarray) -> np.ndarray:
+        """rows[:w] with inf where a level-0 stage [i, k) on r units, w units from it on, exceeds memory."""
+        out = rows[:w]
+        if level == 0 and self.memory_per_worker is not None:
+            d = w + (0 if len(self.topology.levels) == 1 else self.outside(0))
+            mem = self.memory_bytes(i, ks[None, :], np.arange(1, w + 1)[:, None], d)
+            out = np.where(mem > self.memory_per_worker, INF, out)
+        return out
+
+    def stage_row(self, level: int, i: int, ks: np.ndarray, w: int, inner: np.ndarray | None) -> np.ndarray:
+        """Stages [i, k) on r = 1..w units when the range has w units from i on. Shape (w, len(ks))."""
+        return self.fit(level, i, ks, w, self.stage_rows(level, i, ks, w, inner))
+
+    def split_row(self, level: int, i: int, ks: np.ndarray, w: int, inner: np.ndarray | None) -> np.ndarray:
+        """As stage_row for a stage that is followed by another at this level: adds its output boundary."""
+        rs = np.arange(1, w + 1, dtype=np.float64)[:, None]
+        return np.maximum(self.stage_row(level, i, ks, w, inner), self.port_ms(i, ks[None, :], rs, level))

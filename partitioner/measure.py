@@ -1,0 +1,191 @@
+"""What `pipeflow-profile` measures besides each layer, under the conditions of training (issue 13): the
+timer, the torch thread count of a rank, the loss, the optimizer step per parameter byte, and how much the
+repeats disagree (a busy machine makes every prediction from the profile wrong: say so)."""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+# A rank under mpirun runs one torch thread per process on CPU (issue 13: the profile taken with 2 threads
+# predicted 2x the speed training got); pipeflow-profile times the layers the same way unless told otherwise.
+RANK_THREADS = 1
+# Repeats disagreeing by more than this (slowest pass over the layers / median pass) mean a noisy machine.
+NOISY_SPREAD = 1.2
+# The optimizer step is timed on at most this many parameter bytes (a prefix of the model's parameters):
+# its cost per byte is what the planner uses, and a copy of a large model's state may not fit twice.
+OPTIMIZER_SAMPLE_BYTES = 256 * 2**20
+
+
+def _not_sequence(x: Any) -> bool:
+    """Pytree leaves here: everything but tuples and lists (a layer's data is a tensor or nested tuples/lists)."""
+    return not isinstance(x, (tuple, list))
+
+
+def tensors(x: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a layer's input or output (a tensor or a nested tuple/list of tensors), in order."""
+    return (t for t in tree_leaves(x, is_leaf=_not_sequence) if isinstance(t, torch.Tensor))
+
+
+def map_tensors(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`x` with `fn` applied to each of its tensors; its tuples, lists and other values kept."""
+    return tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) else t, x, is_leaf=_not_sequence)
+
+
+def prepare_input(x: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+    """Detached copies on the device; floating ones (in `dtype` if given) requiring grad, as a stage's
+    received activations are."""
+    def prep(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().to(device)
+        if t.is_floating_point():
+            t = (t if dtype is None else t.to(dtype)).requires_grad_(True)
+        return t
+    return map_tensors(x, prep)
+
+
+def nbytes(x: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors(x))
+
+
+def cast_floats_to(x: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is None:
+        return x
+    return map_tensors(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def free_cached(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def machine_bytes(device: torch.device) -> tuple[int, str]:
+    """Memory a microbatch must fit in: the GPU's on cuda, the host's RAM otherwise."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, f"GPU {device}"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
+
+
+class Timer:
+    """Milliseconds of a callable: CUDA events on GPU, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], Any]) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return float(start.elapsed_time(end))
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+
+@contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run with `n` torch intra-op threads (None: as the process is), restoring the count after."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def time_loss(loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], output: Any, target: Any, timer: Timer, *,
+              warmup: int, repeats: int) -> float:
+    """Median ms of the loss's forward and backward on the last layer's output (what the last stage adds
+    to every microbatch)."""
+    times = []
+    holder: dict[str, torch.Tensor] = {}
+
+    def forward() -> None:
+        holder["loss"] = loss_fn(output, target)
+
+    for it in range(warmup + repeats):
+        t = timer(forward) + timer(lambda: holder["loss"].backward())
+        if it >= warmup:
+            times.append(t)
+    return statistics.median(times)
+
+
+def make_optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The optimizer pipeflow-train builds (pipeflow/runner.py, default flags)."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.0)
+    cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+    fused = bool(params) and all(p.is_cuda for p in params)
+    return cls(params, lr=1e-3, fused=fused or None)
+
+
+def optimizer_ms_per_byte(name: str, parameters: Iterable[torch.Tensor], timer: Timer, *, warmup: int,
+                          repeats: int) -> float | None:
+    """Median ms of one optimizer step per parameter byte, on copies of (a prefix of) the parameters with
+    random gradients; None when there are no parameters. The first step, which allocates the state, is
+    never timed."""
+    params: list[torch.Tensor] = []
+    nbytes = 0
+    for p in parameters:
+        if nbytes >= OPTIMIZER_SAMPLE_BYTES:
+            break
+        q = p.detach().clone().requires_grad_(True)
+        q.grad = torch.randn_like(q)
+        params.append(q)
+        nbytes += q.numel() * q.element_size()
+    if not nbytes:
+        return None
+    opt = make_optimizer(name, params)
+    opt.step()
+    times = [timer(opt.step) for _ in range(warmup + repeats)][warmup:]
+    return statistics.median(times) / nbytes
+
+
+def spread(per_repeat_ms: Sequence[float]) -> float:
+    """The slowest repeat over the median one (1.0 for one repeat or equal repeats)."""
+    med = statistics.median(per_repeat_ms)
+    return max(per_repeat_ms) / med if med > 0 else 1.0
+
+
+def noise_warning(ratio: float, repeats: int) -> str | None:
+    """The warning for a noisy profile (None when the repeats agree within NOISY_SPREAD)."""
+    if ratio <= NOISY_SPREAD:
+        return None
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"timings vary between repeats: the slowest of {repeats} passes over the layers took {ratio:.2f} x the "
+            f"median (warning above {NOISY_SPREAD}); load average {load:.1f} on {os.cpu_count()} cores. Plans "
+            "predicted from this profile will be off: profile on an idle machine or raise --repeats")
+
+
+def gpu_link_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 3) -> float | None:
+    """Bytes/s of a copy from `device` to the next visible GPU (NVLink or PCIe, whichever torch uses), the
+    median of `repeats` after one warm-up; None with fewer than two GPUs. What the planner's default
+    topology uses on a GPU host (issue 13: it assumed 10 GB/s even on NVLink)."""
+    if device.type != "cuda" or torch.cuda.device_count() < 2:
+        return None
+    src = device.index if device.index is not None else torch.cuda.current_device()
+    dst = (src + 1) % torch.cuda.device_count()
+    x = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{src}")
+    y = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{dst}")
+    times = []
+    for it in range(1 + repeats):
+        torch.cuda.synchronize(src)
+        torch.cuda.synchronize(dst)
+        t0 = time.perf_counter()
+        y.copy_(x)
+        torch.cuda.synchronize(src)
+        torch.cuda.synchronize(dst)
+        if it:
+            times.append(time.perf_counter() - t0)
+    del x, y
+    return nbytes / statistics.median(times)

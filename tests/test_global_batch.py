@@ -1,0 +1,146 @@
+"""`--global-batch G`: the planner picks the microbatch size b and count m = G / b among the sizes a profile
+holds, checked by brute force over (b, m) through the CLI; the multi-size profile format."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from partitioner.cli import main
+from partitioner.plan import Plan
+from partitioner.profile import LayerProfile, Profile, ProfileError
+
+
+def at_size(rng: random.Random, n: int, b: int, speed: list[float]) -> Profile:
+    """The same layers at microbatch size b: compute grows sublinearly in b (per-layer efficiency
+    `speed`), bytes linearly."""
+    return Profile("mlp", {"layers": n}, "cpu", "float32", b,
+                   [LayerProfile(f"l{i}", speed[i] * b ** 0.7, 2 * speed[i] * b ** 0.7, 2e5 * b, 1e6 * b, 4e6)
+                    for i in range(n)], loss_ms=0.1 * b, optimizer_ms_per_byte={"adam": 1e-7})
+
+
+def multi(rng: random.Random, n: int, sizes: list[int]) -> Profile:
+    speed = [rng.uniform(0.5, 3) for _ in range(n)]
+    first, *others = [at_size(rng, n, b, speed) for b in sizes]
+    first.others = others
+    return first
+
+
+def run(tmp: Path, profile: Path, args: list[str], capsys: pytest.CaptureFixture[str], name: str = "plan"
+        ) -> tuple[int, str, str, Plan | None]:
+    out = tmp / f"{name}.json"
+    code = main([str(profile), *args, "-o", str(out)])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err, Plan.load(out) if code == 0 else None
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_global_batch_picks_the_best_size_and_count(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    seed: int) -> None:
+    rng = random.Random(seed)
+    n, sizes = rng.randint(2, 8), rng.sample([1, 2, 3, 4, 8], rng.randint(1, 4))
+    prof = multi(rng, n, sizes)
+    path = tmp_path / "profile.json"
+    prof.save(path)
+    g = rng.choice([8, 12, 16, 24])
+    args = ["--workers", str(rng.randint(1, 5)), "--schedule", rng.choice(["1f1b", "gpipe", "auto"])]
+    if rng.random() < 0.5:
+        args += ["--memory-per-worker", rng.choice(["60MB", "150MB"])]
+    brute = {}
+    for p in prof.at_sizes():
+        if g % p.microbatch_size:
+            continue
+        single = tmp_path / f"b{p.microbatch_size}.json"
+        Profile(p.model, p.model_args, p.device, p.dtype, p.microbatch_size, p.layers, p.loss_ms,
+                p.optimizer_ms_per_byte).save(single)
+        code, _, _, plan = run(tmp_path, single, [*args, "--microbatches", str(g // p.microbatch_size)], capsys,
+                               f"b{p.microbatch_size}")
+        if plan is not None:
+            brute[p.microbatch_size] = plan
+    code, out, err, got = run(tmp_path, path, [*args, "--global-batch", str(g)], capsys)
+    if not any(g % b == 0 for b in sizes):
+        assert code == 2 and err.startswith(f"pipeflow-plan: error: --global-batch {g} is not a multiple of any "
+                                            "profiled microbatch size") and err.count("\n") == 1
+        return
+    if not brute:
+        assert code == 2 and f"--global-batch {g}: no microbatch size has a plan: " in err, err
+        return
+    assert code == 0, err
+    assert got is not None
+    best = min(brute, key=lambda b: (-brute[b].predicted["samples_per_s"], max(brute[b].predicted["peak_memory_bytes"]),
+                                     b))
+    want = brute[best]
+    assert got.extra["planner"]["microbatch_size"] == best and got.microbatches == g // best
+    assert (got.schedule, [(s.layers, s.ranks) for s in got.stages], got.predicted) == \
+        (want.schedule, [(s.layers, s.ranks) for s in want.stages], want.predicted)
+    assert out.startswith(f"--global-batch {g} compared:")
+    assert f"chose microbatch size {best} x {g // best} microbatches" in out
+    rows = got.extra["planner"]["global_batch"]["candidates"]
+    assert sorted(r["microbatch_size"] for r in rows) == sorted(b for b in sizes if g % b == 0)
+
+
+def test_global_batch_flag_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "profile.json"
+    multi(random.Random(0), 4, [2, 4]).save(path)
+    for extra, message in ((["--microbatches", "4"], "--global-batch chooses the microbatch count; drop "
+                                                     "--microbatches"),
+                           (["--global-batch", "0"], "--global-batch must be a positive integer, found 0")):
+        args = ["--workers", "2", *(["--global-batch", "8"] if "--global-batch" not in extra else []), *extra]
+        code, _, err, _ = run(tmp_path, path, args, capsys)
+        assert code == 2 and err == f"pipeflow-plan: error: {message}\n"
+
+
+def test_multi_size_profile_format(tmp_path: Path) -> None:
+    """The top level is a one-size profile (what older readers see); the other sizes round-trip; bad ones
+    are named."""
+    prof = multi(random.Random(1), 3, [4, 2, 8])
+    path = tmp_path / "p.json"
+    prof.save(path)
+    d = json.loads(path.read_text())
+    assert d["format"] == "pipeflow.profile/1" and d["microbatch_size"] == 4
+    assert [o["microbatch_size"] for o in d["other_microbatch_sizes"]] == [2, 8]
+    back = Profile.load(path)
+    assert back == prof and [p.microbatch_size for p in back.at_sizes()] == [2, 4, 8]
+    d["other_microbatch_sizes"][1]["microbatch_size"] = 4
+    path.write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match=r"^p\.json: other_microbatch_sizes\[1\]: microbatch_size 4 appears twice"):
+        Profile.load(path)
+
+
+def test_profiler_writes_several_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from partitioner.profiler import main as profile_main
+    out = tmp_path / "p.json"
+    assert profile_main(["--model", "mlp", "--model-args", '{"layers": 2, "hidden": 8}', "--microbatch-sizes", "2,4",
+                         "--warmup", "0", "--repeats", "1", "-o", str(out)]) == 0
+    prof = Profile.load(out)
+    assert [p.microbatch_size for p in prof.at_sizes()] == [2, 4] and prof.microbatch_size == 2
+    assert prof.others[0].layers[0].output_bytes == 2 * prof.layers[0].output_bytes
+    assert "also at microbatch sizes 4" in capsys.readouterr().out
+    for args, message in ((["--microbatch-sizes", "2,2"], "--microbatch-sizes must be distinct positive integers"),
+                          (["--microbatch-size", "2", "--microbatch-sizes", "4"], "give exactly one of"),
+                          ([], "give exactly one of")):
+        assert profile_main(["--model", "mlp", *args, "-o", str(tmp_path / "q.json")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("pipeflow-profile: error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("flags,message", [
+    ({"global_batch": 0}, "--global-batch must be >= 1, found 0"),
+    ({"plan": "plan.json"}, "--global-batch chooses the microbatch size and count when planning on the spot"),
+    ({"microbatches": 4}, "drop --plan, --layers-per-stage and --microbatches"),
+    ({"layers_per_stage": "even"}, "drop --plan, --layers-per-stage and --microbatches"),
+])
+def test_train_global_batch_conflicts(flags: dict[str, object], message: str) -> None:
+    """pipeflow-train --global-batch plans on the spot only: refused, before any profiling, with a plan,
+    a hand split or a microbatch count."""
+    from argparse import Namespace
+
+    from pipeflow.failure import UsageError
+    from pipeflow.planning import make_plan
+    from pipeflow.spec import build_model
+
+    args = Namespace(**{"global_batch": 8, "plan": None, "layers_per_stage": None, "microbatches": None, **flags})
+    with pytest.raises(UsageError, match=message):
+        make_plan(args, build_model("mlp", {"layers": 2}), 2, 0, None)
