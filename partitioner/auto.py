@@ -56,7 +56,7 @@ class Candidate:
 
 def variants(kind: ScheduleKind) -> tuple[dict[str, Any], ...]:
     """The parameter sets a record is planned with (its `variants` attribute; one empty set by default)."""
-    return tuple(dict(v) for v in kind.variants) or ({},)
+    return tuple(dict(v) for v in getattr(kind, "variants", ()) if v) or ({},)
 
 
 def candidates() -> list[Candidate]:

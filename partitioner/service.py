@@ -11,6 +11,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from partitioner.inputs import MAX_MICROBATCHES, MAX_WORKERS  # noqa: F401  (re-exported: the limits)
+from partitioner.inputs import check_microbatches as _check_microbatches
+from partitioner.inputs import resolve_topology as _topology
 from partitioner.plan import Plan, PlanError, StagePlan
 from partitioner.planner import (
     SCHEDULES,
@@ -25,7 +28,7 @@ from partitioner.price import predicted, price, schedule_rule
 from partitioner.profile import Profile
 from partitioner.search import search
 from partitioner.simulate import SimResult, StageCost
-from partitioner.topology import Level, Topology, TopologyError, format_bytes, parse_bytes
+from partitioner.topology import Level, Topology, format_bytes, parse_bytes
 from pipeflow.kinds import schedule_kind
 
 # --microbatches auto: the smallest power of two up to AUTO_MAX_MICROBATCHES whose simulated bubble (share
@@ -34,10 +37,6 @@ from pipeflow.kinds import schedule_kind
 # (S-1)/(m+S-1) for 1F1B, but cost activation memory (gpipe) and a larger minibatch.
 AUTO_BUBBLE = 0.10
 AUTO_MAX_MICROBATCHES = 256
-# Sizes the planner refuses up front rather than run for minutes: the DP grows as layers^2 x workers^2 on
-# one level and the simulator linearly in microbatches x stages.
-MAX_WORKERS = 1024
-MAX_MICROBATCHES = 4096
 # Plans simulated per search (partitioner/search.py), and microbatch-stages replayed, before it settles for
 # the best so far (about 0.5 s of simulation on the 2-core CI machine).
 SEARCH_LIMIT = 64
@@ -161,32 +160,6 @@ def _plan_once(profile: Profile, model: CostModel, workers: int, keep_timeline: 
                          "search": info}}
     plan = Plan(model.schedule, m, workers, stages, predicted(sim, m, profile.microbatch_size), extra)
     return Planned(plan, costs, sim, sol)
-
-
-def _topology(workers: int, topology: Topology | str | None, profile: Profile | None = None) -> Topology:
-    """The topology given, else one level at the profile's measured device-to-device bandwidth (CUDA
-    with several GPUs), else Topology.default."""
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise PlanningError(f"--workers must be a positive integer, found {workers!r}")
-    if workers > MAX_WORKERS:
-        raise PlanningError(f"--workers must be at most {MAX_WORKERS} (the planner's limit), found {workers}")
-    if isinstance(topology, str):
-        topology = Topology.parse(topology, workers)
-    if topology is None and profile is not None and profile.link_bandwidth:
-        topology = Topology((Level(workers, profile.link_bandwidth),))
-    topology = topology or Topology.default(workers)
-    if topology.workers != workers:
-        raise TopologyError(f"--workers {workers} does not match the topology {topology} "
-                            f"({topology.workers} workers)")
-    return topology
-
-
-def _check_microbatches(microbatches: object) -> None:
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise PlanningError(f"--microbatches must be a positive integer or 'auto', found {microbatches!r}")
-    if microbatches > MAX_MICROBATCHES:
-        raise PlanningError(f"--microbatches must be at most {MAX_MICROBATCHES} (the planner's limit), "
-                            f"found {microbatches}")
 
 
 def plan_detailed(profile: Profile, workers: int, *, schedule: str = "1f1b", microbatches: int | str = "auto",
