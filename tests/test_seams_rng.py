@@ -226,7 +226,7 @@ def test_asynchronous_schedules_draw_per_microbatch_and_layer(mpi: MpiRun) -> No
 def batchnorm_on_the_spot(d: Path) -> Case:
     args = {"layers": 4, "p": 0.0, "report_alive": True}
     return Case(2, ["--model", NORM, "--model-args", json.dumps(args), *COMMON, "--dtype", "float64", "--straight",
-                    "--save", str(d / "model.pt")], env={"PIPEFLOW_LOG": "INFO"})
+                    "--schedule", "1f1b", "--save", str(d / "model.pt")], env={"PIPEFLOW_LOG": "INFO"})
 
 
 @batched(batchnorm_on_the_spot)
