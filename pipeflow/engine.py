@@ -38,6 +38,8 @@ class Engine:
         self.stage = Stage(spec.layers[st.layers[0]:st.layers[1]], start=st.layers[0], first=self.s == 0,
                            last=self.s == self.S - 1, loss_fn=spec.loss_fn, device=world.device, dtype=dtype,
                            seed=seed)
+        if self.kind.split_backward:  # zero-bubble: B defers the Linear weight GEMMs to W (split.py)
+            self.stage.split_backward()
         self.optimizer = optimizer_factory(self.stage.parameters())
         self.flush = self.kind.flush
         self.warmup, self.vertical_sync = warmup, vertical_sync
@@ -177,9 +179,11 @@ class Engine:
         recv_b: dict[int, tuple[list[torch.Tensor], list[Any]] | None] = {}
         outputs: dict[int, list[torch.Tensor]] = {}
         in_grads: dict[int, list[torch.Tensor]] = {}
-        # The reducer is armed for the last backward before each STEP (its gradients are then final).
-        seq = [a for a in actions if a.kind in (Kind.B, Kind.STEP)]
-        arm_at = {b.microbatch for b, nxt in zip(seq, seq[1:]) if b.kind is Kind.B and nxt.kind is Kind.STEP}
+        # The reducer is armed for the last backward before each STEP (its gradients are then final): the
+        # last W where the backward is split, which follows every B.
+        last = Kind.W if self.kind.split_backward else Kind.B
+        seq = [a for a in actions if a.kind in (last, Kind.STEP)]
+        arm_at = {b.microbatch for b, nxt in zip(seq, seq[1:]) if b.kind is last and nxt.kind is Kind.STEP}
         steps_done = 0
         for a in actions:
             i = a.microbatch
@@ -205,10 +209,16 @@ class Engine:
                 posted = recv_b.pop(i, None)
                 if posted is None and not self.stage.last:
                     posted = self._post_recv_b(Action(Kind.RECV_B, i))
-                if self.reducer is not None and i in arm_at and i in self.stage.saved:
+                if self.reducer is not None and last is Kind.B and i in arm_at and i in self.stage.saved:
                     self.reducer.arm(self.stage.saved[i].outputs)
                 in_grads[i] = self._backward(i, posted)
                 outputs.pop(i, None)
+            elif a.kind is Kind.W:
+                assert i is not None
+                if self.reducer is not None and i in arm_at:
+                    self.reducer.arm_params(self.stage.deferred_weights(i))
+                with self.timer.span("W", i):
+                    self.stage.backward_weights(i)
             elif a.kind is Kind.SEND_B:
                 assert i is not None
                 with self.timer.span("SEND_B", i):

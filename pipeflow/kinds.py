@@ -16,9 +16,10 @@ import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pipeflow.actions import STEP, Action, B, F, Kind, ScheduleError
+from pipeflow.zerobubble import zero_bubble_order
 
 N = TypeVar("N")  # a count, or a numpy array of counts (the planner's vectorised DP)
 
@@ -37,6 +38,8 @@ class InFlight(enum.Enum):
     ALL = "all"  # every local microbatch of the minibatch (gpipe)
     FILL = "fill"  # enough to fill the workers downstream (1F1B's warm-up + 1)
     FILL_UP_TO_ALL = "fill, at most all"  # FILL, capped by the minibatch's local microbatches (flushed 1f1b)
+    PIPELINE = "pipeline, at most all"  # ceil(workers / replicas): 1F1B's first stage on every stage (zb)
+    TWICE_PIPELINE = "twice the pipeline, at most all"  # 2 ceil(workers / replicas) - 1 (zb-h2)
 
 
 # (worker's microbatches, microbatches in the list, replicas, stage, minibatch, warmup) -> compute order
@@ -60,6 +63,7 @@ class ScheduleKind:
     replicas_divide_m: bool  # every stage's replica count divides m
     replicas_at_most_m: bool  # m >= every stage's replica count
     m_at_least_stages_minus_1: bool  # m >= S - 1 (two weight versions suffice)
+    split_backward: bool = False  # B computes input gradients only, W the weight gradients (split.py)
 
     @property
     def rule(self) -> str:
@@ -180,13 +184,38 @@ def _2bw(mbs: list[int], microbatches: int, replicas: Sequence[int], stage: int,
     return out
 
 
+def zero_bubble_limit(in_flight: InFlight, workers: int, replicas: Any, fill_peak: int | None = None) -> Any:
+    """Microbatches a replica of a zero-bubble schedule holds at most (forward run, W not yet), ZB ICLR'24
+    §2.1-2.2: ZB-H1 keeps 1F1B's peak, the first stage's ceil(workers / replicas), on every stage; ZB-H2 twice
+    that minus one (the paper's S and 2S - 1). With replicas the count is also capped by `fill_peak`, 1F1B's
+    most over all stages (the generator's rule); without it (the planner's DP, which does not know the other
+    stages; `workers` and `replicas` may be numpy arrays) the result is an upper bound."""
+    fill = -(-workers // replicas)
+    if fill_peak is not None:
+        fill = min(fill, fill_peak)
+    return 2 * fill - 1 if in_flight is InFlight.TWICE_PIPELINE else fill
+
+
+def _zero_bubble(twice: bool) -> OrderFn:
+    in_flight = InFlight.TWICE_PIPELINE if twice else InFlight.PIPELINE
+
+    def order(mbs: list[int], microbatches: int, replicas: Sequence[int], stage: int,
+              minibatch: int | None, warmup: int | None) -> list[Action]:
+        warm = [(2 if twice else 1) * warmup_forwards(replicas, t) for t in range(len(replicas))]
+        peak = max(warmup_forwards(replicas, t) + 1 for t in range(len(replicas)))
+        limits = [zero_bubble_limit(in_flight, sum(replicas), r, peak) for r in replicas]
+        return zero_bubble_order(mbs, microbatches, replicas, stage, warmups=warm, limits=limits)
+    return order
+
+
 # ---------------------------------------------------------------- the table
 
-def _flushed(name: str, order: OrderFn, in_flight: InFlight, *, warmup_applies: bool) -> ScheduleKind:
+def _flushed(name: str, order: OrderFn, in_flight: InFlight, *, warmup_applies: bool,
+             split_backward: bool = False) -> ScheduleKind:
     return ScheduleKind(name, order, flush=True, step_per_backward=False, mean_over_replicas=False,
                         weights=Weights.LIVE, in_flight=in_flight, warmup_applies=warmup_applies, ties_allowed=True,
                         agree_every_step=True, replicas_divide_m=False, replicas_at_most_m=False,
-                        m_at_least_stages_minus_1=False)
+                        m_at_least_stages_minus_1=False, split_backward=split_backward)
 
 
 TABLE: tuple[ScheduleKind, ...] = (
@@ -200,6 +229,8 @@ TABLE: tuple[ScheduleKind, ...] = (
                  weights=Weights.DOUBLE_BUFFER, in_flight=InFlight.FILL, warmup_applies=False, ties_allowed=False,
                  agree_every_step=False, replicas_divide_m=False, replicas_at_most_m=True,
                  m_at_least_stages_minus_1=True),
+    _flushed("zb", _zero_bubble(False), InFlight.PIPELINE, warmup_applies=False, split_backward=True),
+    _flushed("zb-h2", _zero_bubble(True), InFlight.TWICE_PIPELINE, warmup_applies=False, split_backward=True),
 )
 _BY_NAME = {k.name: k for k in TABLE}
 SCHEDULES = tuple(_BY_NAME)

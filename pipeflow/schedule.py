@@ -97,7 +97,9 @@ def _fail(sched: Schedule, msg: str, mark: dict[int, int] | None = None) -> Sche
 
 def validate(sched: Schedule) -> None:
     """Every microbatch of a worker: forward then backward exactly once; RECV before and SEND after
-    the compute they serve; per channel, sends and receives in the same order."""
+    the compute they serve; per channel, sends and receives in the same order. A schedule that splits the
+    backward (any W) runs W once per microbatch, after its B and before the next STEP (ZB ICLR'24 §2)."""
+    split = any(a.kind is Kind.W for acts in sched.actions for a in acts)
     channels: dict[tuple[int, int, Kind], list[tuple[int, int]]] = defaultdict(list)  # (src,dst,F|B) -> [mb]
     recvs: dict[tuple[int, int, Kind], list[tuple[int, int]]] = defaultdict(list)
     steps = [0] * len(sched.workers)
@@ -108,6 +110,10 @@ def validate(sched: Schedule) -> None:
         for idx, a in enumerate(acts):
             if a.kind is Kind.STEP:
                 steps[w] += 1
+                late = sorted(i for k, i in seen if k is Kind.B and (Kind.W, i) not in seen) if split else []
+                if late:
+                    raise _fail(sched, f"worker {w} runs STEP before W{late[0]}: a weight gradient must be "
+                                       "accumulated before the step that uses it", {w: idx})
                 continue
             assert a.microbatch is not None
             i = a.microbatch
@@ -119,6 +125,8 @@ def validate(sched: Schedule) -> None:
             seen[(a.kind, i)] = idx
             if a.kind is Kind.B and (Kind.F, i) not in seen:
                 raise _fail(sched, f"worker {w} runs {a} before F{i}", {w: idx})
+            if a.kind is Kind.W and (Kind.B, i) not in seen:
+                raise _fail(sched, f"worker {w} runs {a} before B{i}", {w: idx})
             if a.kind.is_send or a.kind.is_recv:
                 peer = sched.peer(w, a)
                 direction = a.kind.direction
@@ -129,7 +137,7 @@ def validate(sched: Schedule) -> None:
                 else:
                     recvs[(peer, w, direction)].append((i, idx))
         for i in sorted(mine):
-            for kind in (Kind.F, Kind.B):
+            for kind in (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B):
                 if (kind, i) not in seen:
                     raise _fail(sched, f"worker {w} (stage {s}) never runs {kind}{i}", {w: len(acts) - 1})
             if s > 0 and (Kind.RECV_F, i) not in seen:
