@@ -18,13 +18,15 @@ its Linear share in W and the rest in B; both add into the one `.grad`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import statistics
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.utils._pytree import tree_leaves
 
 
 class WeightGradStore:
@@ -146,3 +148,36 @@ def split_report(module: nn.Module) -> tuple[list[str], list[str]]:
         elif any(True for _ in m.parameters(recurse=False)):
             fused.append(name)
     return split, fused
+
+
+def time_split_backward(layer: nn.Module, x: Any, timer: Callable[[Callable[[], Any]], float], *, warmup: int,
+                        repeats: int) -> tuple[float, float] | None:
+    """Median ms of B (input gradients, weight GEMMs deferred) and of W of `layer` on input `x`, for the
+    profiler; None when the layer has no split nn.Linear. The split is installed for the measurement and
+    removed after (pass a copy: pipeflow-profile measures a sandbox copy of each layer)."""
+    store = WeightGradStore()
+    if not install(layer, store):
+        return None
+    b_ms: list[float] = []
+    w_ms: list[float] = []
+    try:
+        for it in range(warmup + repeats):
+            ys = [t for t in tree_leaves(layer(x), is_leaf=lambda v: not isinstance(v, (tuple, list)))
+                  if isinstance(t, torch.Tensor) and t.requires_grad]
+            if not ys:
+                return None
+            grads = [torch.randn_like(t) for t in ys]
+
+            def backward_input(ys: list[torch.Tensor] = ys, grads: list[torch.Tensor] = grads) -> None:
+                with store.defer(0):
+                    torch.autograd.backward(ys, grads)
+
+            t_b, t_w = timer(backward_input), timer(lambda: store.flush(0))
+            if it >= warmup:
+                b_ms.append(t_b)
+                w_ms.append(t_w)
+            layer.zero_grad(set_to_none=True)
+    finally:
+        store.clear()
+        uninstall(layer)
+    return statistics.median(b_ms), statistics.median(w_ms)
