@@ -202,7 +202,8 @@ def _zero_bubble(twice: bool) -> OrderFn:
     def order(mbs: list[int], microbatches: int, replicas: Sequence[int], stage: int,
               minibatch: int | None, warmup: int | None) -> list[Action]:
         warm = [(2 if twice else 1) * warmup_forwards(replicas, t) for t in range(len(replicas))]
-        peak = max(warmup_forwards(replicas, t) + 1 for t in range(len(replicas)))
+        # 1F1B's most held by any worker (its first replica holds the most of a stage's microbatches)
+        peak = max(min(warmup_forwards(replicas, t) + 1, -(-microbatches // r)) for t, r in enumerate(replicas))
         limits = [zero_bubble_limit(in_flight, sum(replicas), r, peak) for r in replicas]
         return zero_bubble_order(mbs, microbatches, replicas, stage, warmups=warm, limits=limits)
     return order

@@ -108,7 +108,7 @@ class SplitLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         store = self.__dict__.get("_split_store")
-        if (store is None or not self.weight.is_leaf or torch.is_autocast_enabled()
+        if (store is None or not self.weight.is_leaf or torch.is_autocast_enabled(x.device.type)
                 or not torch.is_grad_enabled()):
             return F.linear(x, self.weight, self.bias)
         return _SplitLinearFn.apply(x, self.weight, self.bias, store)

@@ -57,7 +57,8 @@ def _orders(m: int, replicas: tuple[int, ...], warmups: tuple[int, ...],
     S = len(replicas)
     workers = [(s, r) for s in range(S) for r in range(replicas[s])]
     fb = [_fb_order(list(range(r, m, replicas[s])), warmups[s]) for s, r in workers]
-    if any(limits[s] <= min(warmups[s], len(fb[w]) // 2) for w, (s, _) in enumerate(workers)):
+    # An F waits for a W only while one is pending: the limit must let the warm-up and the next F run.
+    if any(limits[s] < min(warmups[s] + 1, len(fb[w]) // 2) for w, (s, _) in enumerate(workers)):
         raise ScheduleError(f"zero-bubble limits {list(limits)} must exceed the warm-ups {list(warmups)}")
     n = len(workers)
     pos, live, free_at = [0] * n, [0] * n, [0] * n
