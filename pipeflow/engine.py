@@ -39,7 +39,8 @@ class Engine:
                            last=self.s == self.S - 1, loss_fn=spec.loss_fn, device=world.device, dtype=dtype,
                            seed=seed)
         if self.kind.split_backward:  # zero-bubble: B defers the Linear weight GEMMs to W (split.py)
-            self.stage.split_backward()
+            log.info("%s: B defers the weight gradients of %d nn.Linear module(s) to W", schedule,
+                     len(self.stage.split_backward()))
         self.optimizer = optimizer_factory(self.stage.parameters())
         self.flush = self.kind.flush
         self.warmup, self.vertical_sync = warmup, vertical_sync
