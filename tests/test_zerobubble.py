@@ -190,3 +190,28 @@ def test_planner_prices_zb_with_the_w_share():
         assert planned.plan.predicted["step_ms"] == pytest.approx(sim.step_ms, abs=1e-6)
     assert got["zb"].plan.predicted["step_ms"] < got["1f1b"].plan.predicted["step_ms"]
     assert got["zb"].plan.extra["planner"]["search"]["exact"] is False
+
+
+def test_pipeflow_plan_prices_zb_and_draws_w(tmp_path):
+    """`pipeflow-plan --schedule zb` (its main in this process): the plan's prediction is the simulator's for
+    zb's lists, below 1f1b's for the same stages; the timeline draws W apart from B."""
+    from partitioner.cli import main
+    from partitioner.plan import Plan
+    from partitioner.service import evaluate_plan, plan_detailed
+
+    prof = _profile([None, 0.5, 0.5, 0.5])
+    prof.save(tmp_path / "profile.json")
+    for name in ZB:
+        out, png = tmp_path / f"{name}.json", tmp_path / f"{name}.png"
+        assert main([str(tmp_path / "profile.json"), "--workers", "4", "--schedule", name, "--microbatches", "8",
+                     "--straight", "-o", str(out), "--timeline", str(png)]) == 0
+        plan = Plan.load(out)
+        assert plan.schedule == name and png.read_bytes()[:4] == b"\x89PNG"
+        planned = plan_detailed(prof, 4, schedule=name, microbatches=8, straight=True, keep_timeline=True)
+        assert plan.predicted == planned.plan.predicted
+        kinds = {iv.kind for iv in planned.sim.timeline}
+        assert {"F", "B", "W"} <= kinds
+        w = [iv for iv in planned.sim.timeline if iv.kind == "W" and iv.worker == 1]
+        assert len(w) == 8 and all(iv.end - iv.start == pytest.approx(0.5) for iv in w)
+        plan.schedule = "1f1b"
+        assert evaluate_plan(prof, plan).plan.predicted["step_ms"] > planned.plan.predicted["step_ms"]

@@ -23,7 +23,8 @@ def zero_bubble(d: Path, schedule: str, split: str) -> Case:
     np_ = write_plan(d / "plan.json", schedule, m, stages)
     return Case(np_, ["--model", "gpt", "--model-args", json.dumps(GPT), "--plan", str(d / "plan.json"), "--steps",
                       str(STEPS), "--microbatch-size", str(B), "--dtype", "float64", "--device", "cpu", "--optimizer",
-                      "sgd", "--lr", "0.05", "--momentum", "0.9", "--save", str(d / "model.pt")],
+                      "sgd", "--lr", "0.05", "--momentum", "0.9", "--save", str(d / "model.pt"), "--trace",
+                      str(d / "trace.json")],
                 env={"PIPEFLOW_LOG": "INFO"})  # the engine says how many Linear modules split
 
 
@@ -49,3 +50,12 @@ def test_zero_bubble_equals_single_process(mpi: MpiRun, schedule, split):
         per_stage += [sum(4 if 0 < i < 3 else i == 3 for i in range(start, start + count))] * reps
         start += count
     assert sorted(split) == sorted(per_stage)
+
+    # The Chrome trace shows each W apart from its B: its own event, after the B, in the compute category.
+    events = [e for e in json.loads((mpi.dir / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    for rank in range(len(per_stage)):
+        mine = sorted((e for e in events if e["tid"] == rank and e["args"]["step"] == STEPS - 1), key=lambda e: e["ts"])
+        b = {e["args"]["microbatch"]: e for e in mine if e["name"].startswith("B")}
+        w = {e["args"]["microbatch"]: e for e in mine if e["name"].startswith("W")}
+        assert set(w) == set(b) and b, rank
+        assert all(w[i]["cat"] == "compute" and w[i]["ts"] >= b[i]["ts"] + b[i]["dur"] for i in w), rank
