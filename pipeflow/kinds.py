@@ -9,6 +9,7 @@ Generated compute orders for S=3 stages, m=4 microbatches::
 
 `async` is 1f1b without the flush: STEP after every backward (PipeDream SOSP'19 §3.3); `2bw` steps after
 each worker's last backward of a minibatch, with two weight versions (PipeDream-2BW, ICML'21 §3.1).
+`zb` and `zb-h2` split each backward into B and W (ZB ICLR'24 §2; their orders: pipeflow/zerobubble.py).
 """
 from __future__ import annotations
 
