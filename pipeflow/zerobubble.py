@@ -25,7 +25,9 @@ S=4, m=8, one replica per stage::
 """
 from __future__ import annotations
 
+import collections
 import functools
+import heapq
 from collections.abc import Sequence
 
 from pipeflow.actions import STEP, Action, Kind, ScheduleError
@@ -61,41 +63,53 @@ def _orders(m: int, replicas: tuple[int, ...], warmups: tuple[int, ...],
     if any(limits[s] < min(warmups[s] + 1, len(fb[w]) // 2) for w, (s, _) in enumerate(workers)):
         raise ScheduleError(f"zero-bubble limits {list(limits)} must exceed the warm-ups {list(warmups)}")
     n = len(workers)
-    pos, live, free_at = [0] * n, [0] * n, [0] * n
-    pending: list[list[int]] = [[] for _ in range(n)]
+    pos, live = [0] * n, [0] * n
+    pending: list[collections.deque[int]] = [collections.deque() for _ in range(n)]
     out: list[list[Action]] = [[] for _ in range(n)]
     done: dict[tuple[Kind, int, int], int] = {}  # (F|B, stage, microbatch) -> time it ends
-    left = sum(len(x) for x in fb) * 3 // 2  # every B brings a W
-    t = 0
-    while left:
-        for w, (s, _) in enumerate(workers):
-            if free_at[w] > t:
-                continue
-            act = None
-            if pos[w] < len(fb[w]):
-                a = fb[w][pos[w]]
-                i = a.microbatch
-                assert i is not None
-                src = s - 1 if a.kind is Kind.F else s + 1
-                arrived = not 0 <= src < S or done.get((a.kind, src, i), t + 1) <= t
-                if arrived and (a.kind is Kind.B or live[w] < limits[s]):
-                    act = a
-                    pos[w] += 1
-                    if a.kind is Kind.F:
-                        live[w] += 1
-                    else:
-                        pending[w].append(i)
-                    done[(a.kind, s, i)] = t + 1
-            if act is None and pending[w]:
-                act = Action(Kind.W, pending[w].pop(0))
-                live[w] -= 1
-            if act is not None:
-                out[w].append(act)
-                free_at[w] = t + 1
-                left -= 1
-        later = [f for f in free_at if f > t]
-        if left and not later:
-            raise ScheduleError(f"zero-bubble replay stuck at time {t}: m={m} replicas={list(replicas)} "
-                                f"warm-ups {list(warmups)} limits {list(limits)}")
-        t = min(later, default=t + 1)
+    waiting: dict[tuple[Kind, int, int], int] = {}  # an F or B not ended yet -> the worker waiting for it
+    # Events (time, worker): a worker is looked at when it becomes free or what it waits for arrives. A free
+    # worker that cannot act has no W pending (an F held back by its limit leaves one), so only that arrival
+    # can wake it.
+    events = [(0, w) for w in range(n)]
+    busy_until = [0] * n
+    while events:
+        t, w = heapq.heappop(events)
+        if busy_until[w] > t:
+            continue
+        s = workers[w][0]
+        act = None
+        if pos[w] < len(fb[w]):
+            a = fb[w][pos[w]]
+            i = a.microbatch
+            assert i is not None
+            src = s - 1 if a.kind is Kind.F else s + 1
+            dep = (a.kind, src, i)
+            arrived = not 0 <= src < S or done.get(dep, t + 1) <= t
+            if arrived and (a.kind is Kind.B or live[w] < limits[s]):
+                act = a
+                pos[w] += 1
+                if a.kind is Kind.F:
+                    live[w] += 1
+                else:
+                    pending[w].append(i)
+                done[(a.kind, s, i)] = t + 1
+                woken = waiting.pop((a.kind, s, i), None)
+                if woken is not None:
+                    heapq.heappush(events, (t + 1, woken))
+            elif not arrived and not pending[w]:
+                if dep in done:  # ends later: look again then
+                    heapq.heappush(events, (done[dep], w))
+                else:
+                    waiting[dep] = w
+        if act is None and pending[w]:
+            act = Action(Kind.W, pending[w].popleft())
+            live[w] -= 1
+        if act is not None:
+            out[w].append(act)
+            busy_until[w] = t + 1
+            heapq.heappush(events, (t + 1, w))
+    if any(pos[w] < len(fb[w]) or pending[w] for w in range(n)):
+        raise ScheduleError(f"zero-bubble replay stuck: m={m} replicas={list(replicas)} warm-ups {list(warmups)} "
+                            f"limits {list(limits)}")
     return tuple(tuple(x) for x in out)
