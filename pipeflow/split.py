@@ -162,8 +162,7 @@ def time_split_backward(layer: nn.Module, x: Any, timer: Callable[[Callable[[], 
     w_ms: list[float] = []
     try:
         for it in range(warmup + repeats):
-            ys = [t for t in tree_leaves(layer(x), is_leaf=lambda v: not isinstance(v, (tuple, list)))
-                  if isinstance(t, torch.Tensor) and t.requires_grad]
+            ys = [t for t in tree_leaves(layer(x)) if isinstance(t, torch.Tensor) and t.requires_grad]
             if not ys:
                 return None
             grads = [torch.randn_like(t) for t in ys]

@@ -10,11 +10,12 @@ once with the paper's unit costs T_F = T_B = T_W (no communication time), where 
 2. otherwise its oldest pending W;
 
 and the W still pending at the end run before the STEP. ZB-H1 (§2.1): 1F1B's warm-up, limit ceil(N / r) for N
-workers and r replicas of the stage (S with one replica per stage: the in-flight count of 1F1B's first stage,
-its peak, on every stage), which delays W on the later stages by as many microbatches as their warm-up is
-shorter; bubble (S-1)(T_F + T_B - T_W) against 1F1B's (S-1)(T_F + T_B + T_W). ZB-H2 (§2.2): twice 1F1B's warm-up
-and limit 2 ceil(N / r) - 1 (the paper's 2S - 1): the warm-up forwards fill the wait for the first B and the W
-fill the drain, so every worker is busy from its first action to its last (the paper's parallelogram).
+workers and r replicas of the stage, at most what 1F1B's busiest worker holds (S with one replica per stage:
+1F1B's first-stage count, its peak, on every stage), which delays W on the later stages by as many
+microbatches as their warm-up is shorter; bubble (S-1)(T_F + T_B - T_W) against 1F1B's (S-1)(T_F + T_B + T_W).
+ZB-H2 (§2.2): twice 1F1B's warm-up and twice the limit minus one (the paper's 2S - 1): the warm-up forwards fill
+the wait for the first B and the W fill the drain, so every worker is busy from its first action to its last
+(the paper's parallelogram).
 
 S=4, m=8, one replica per stage::
 
