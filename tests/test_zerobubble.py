@@ -215,3 +215,17 @@ def test_pipeflow_plan_prices_zb_and_draws_w(tmp_path):
         assert len(w) == 8 and all(iv.end - iv.start == pytest.approx(0.5) for iv in w)
         plan.schedule = "1f1b"
         assert evaluate_plan(prof, plan).plan.predicted["step_ms"] > planned.plan.predicted["step_ms"]
+
+
+def test_profiler_writes_the_w_share_for_layers_with_split_linears():
+    """pipeflow-profile times B and W apart where a layer holds an nn.Linear that splits: gpt's blocks and head
+    get backward_weight_ms (a share of backward_ms), its embedding (no Linear) does not."""
+    from partitioner.profiler import profile_model
+    from pipeflow.spec import build_model
+
+    spec = build_model("gpt", {"layers": 1, "d_model": 16, "heads": 2, "seq_len": 8})
+    prof = profile_model(spec, 2, "cpu", warmup=0, repeats=1)
+    assert prof.layers[0].backward_weight_ms is None
+    for layer in prof.layers[1:]:
+        assert layer.backward_weight_ms is not None and 0 < layer.backward_weight_ms < layer.backward_ms
+    assert "backward_weight_ms" in prof.to_json()["layers"][1]
