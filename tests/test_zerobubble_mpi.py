@@ -59,3 +59,25 @@ def test_zero_bubble_equals_single_process(mpi: MpiRun, schedule, split):
         w = {e["args"]["microbatch"]: e for e in mine if e["name"].startswith("W")}
         assert set(w) == set(b) and b, rank
         assert all(w[i]["cat"] == "compute" and w[i]["ts"] >= b[i]["ts"] + b[i]["dur"] for i in w), rank
+
+
+SMALL = {"d_in": 6, "hidden": 8, "classes": 3, "samples": 64}
+
+
+def checkpointed(d: Path) -> Case:
+    np_ = write_plan(d / "plan.json", "zb", 4, [(1, 1), (2, 2)])
+    return Case(np_, ["--model", "tests.models_grads:twice", "--model-args", json.dumps(SMALL), "--plan",
+                      str(d / "plan.json"), "--steps", str(STEPS), "--microbatch-size", str(B), "--dtype", "float64",
+                      "--device", "cpu", "--optimizer", "sgd", "--lr", "0.05", "--save", str(d / "model.pt")])
+
+
+@batched(checkpointed)
+def test_zb_with_reentrant_checkpointing_on_replicas(mpi: MpiRun):
+    """A Linear applied twice under reentrant checkpointing on a replicated stage: its B runs two nested
+    backwards that record two weight GEMMs, its W sums them and accumulates once, and the replicas' all-reduce,
+    armed for the last W, waits for it."""
+    got = torch.load(mpi.dir / "model.pt", weights_only=True)
+    want = reference_flush("tests.models_grads:twice", SMALL, steps=STEPS, microbatches=4, microbatch_size=B,
+                           optimizer="sgd", lr=0.05)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-11, msg=k)
