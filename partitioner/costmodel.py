@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from partitioner.topology import Topology
-from pipeflow.kinds import SCHEDULES, InFlight, ScheduleKind, schedule_kind
+from pipeflow.kinds import SCHEDULES, InFlight, ScheduleKind, schedule_kind, zero_bubble_limit
 
 OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2}  # momentum; exp_avg + exp_avg_sq
 INF = float("inf")
@@ -63,17 +63,19 @@ class LayerCosts:
     parameter_bytes: np.ndarray
     loss_ms: float = 0.0  # forward + backward of the loss per microbatch, on the last layer's stage
     optimizer_ms_per_byte: float = 0.0  # one optimizer step, per parameter byte
+    backward_weight_ms: np.ndarray | None = None  # the W share of backward_ms (zero-bubble schedules)
 
     @classmethod
     def of(cls, forward_ms: Sequence[float], backward_ms: Sequence[float], output_bytes: Sequence[float],
            activation_bytes: Sequence[float], parameter_bytes: Sequence[float], *, loss_ms: float = 0.0,
-           optimizer_ms_per_byte: float = 0.0) -> LayerCosts:
+           optimizer_ms_per_byte: float = 0.0, backward_weight_ms: Sequence[float] | None = None) -> LayerCosts:
         cols = [np.asarray(c, dtype=np.float64) for c in
                 (forward_ms, backward_ms, output_bytes, activation_bytes, parameter_bytes)]
         if len({len(c) for c in cols}) != 1 or len(cols[0]) == 0:
             raise PlanningError(f"layer cost columns must be non-empty and of equal length, found "
                                 f"{[len(c) for c in cols]}")
-        return cls(cols[0], cols[1], cols[2], cols[3], cols[4], float(loss_ms), float(optimizer_ms_per_byte))
+        weight = None if backward_weight_ms is None else np.minimum(np.asarray(backward_weight_ms, np.float64), cols[1])
+        return cls(cols[0], cols[1], cols[2], cols[3], cols[4], float(loss_ms), float(optimizer_ms_per_byte), weight)
 
     def __len__(self) -> int:
         return len(self.forward_ms)
@@ -189,6 +191,8 @@ class CostModel:
         if self.kind.in_flight is InFlight.ALL:
             return local
         fill = -(-np.asarray(downstream) // r)
+        if self.kind.in_flight in (InFlight.PIPELINE, InFlight.TWICE_PIPELINE):  # zero bubble: an upper bound
+            return np.minimum(zero_bubble_limit(self.kind.in_flight, self.topology.workers, r), local)
         return np.minimum(fill, local) if self.kind.in_flight is InFlight.FILL_UP_TO_ALL else fill
 
     def memory_bytes(self, i: np.ndarray | int, j: np.ndarray | int, r: np.ndarray | int,

@@ -45,8 +45,9 @@ def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int,
             send = nbytes / (topology.levels[topology.level_of(rs[0], ranks[t + 1][0])].bandwidth / 1e3)
         ar = sum(2.0 * (f - 1) / f * p / (topology.levels[k].bandwidth / 1e3)
                  for k, f in enumerate(level_factors(rs, topology)) if f > 1)
+        weight = 0.0 if lay.backward_weight_ms is None else float(lay.backward_weight_ms[a:b].sum())
         out.append(StageCost(fwd, float(lay.backward_ms[a:b].sum()), send, ar, p,
-                             float(lay.activation_bytes[a:b].sum()), lay.optimizer_ms_per_byte * p, nbytes))
+                             float(lay.activation_bytes[a:b].sum()), lay.optimizer_ms_per_byte * p, nbytes, weight))
     return out
 
 

@@ -2,9 +2,11 @@
 
 Optional fields (issue 13; a file without them is read as before, and readers that ignore unknown keys
 read files with them): per layer `backward_accumulate_ms`, the backward when gradients already exist
-(every microbatch of a step but the first); at the top, `loss_ms` (the loss's forward and backward per
-microbatch) and `optimizer_ms_per_byte` ({"adam": ..., "sgd": ...}: one optimizer step per parameter byte).
-The planner uses them when present and counts them as 0 (or backward_ms) when absent.
+(every microbatch of a step but the first), and `backward_weight_ms`, the weight-gradient (W) share of the
+backward that zero-bubble schedules defer (pipeflow/split.py); at the top, `loss_ms` (the loss's forward and
+backward per microbatch) and `optimizer_ms_per_byte` ({"adam": ..., "sgd": ...}: one optimizer step per
+parameter byte). The planner uses them when present and counts them as 0 (or backward_ms) when absent;
+an absent `backward_weight_ms` is estimated (Profile.weight_column).
 
 On CUDA with more than one GPU visible, the optional `link_bandwidth` (bytes/s, measured GPU to GPU) is the
 default topology of pipeflow-plan when --topology is not given.
@@ -26,7 +28,7 @@ from partitioner.jsonfile import check_fields, field_problem, read_json, write_j
 
 PROFILE_FORMAT = "pipeflow.profile/1"
 LAYER_NUMBERS = ("forward_ms", "backward_ms", "output_bytes", "activation_bytes", "parameter_bytes")
-OPTIONAL_LAYER_NUMBERS = ("backward_accumulate_ms",)
+OPTIONAL_LAYER_NUMBERS = ("backward_accumulate_ms", "backward_weight_ms")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 # Upper bounds of a plausible measurement: sums over layers and microbatches must stay finite in float64
 # (a time of 1e308 ms overflows to inf once multiplied by m and used to look like "no plan").
@@ -53,6 +55,7 @@ class LayerProfile:
     activation_bytes: int
     parameter_bytes: int
     backward_accumulate_ms: float | None = None
+    backward_weight_ms: float | None = None  # the W share of backward_ms (split nn.Linear weight GEMMs)
 
     def check(self, where: str = "layer") -> None:
         if not isinstance(self.name, str):
@@ -136,6 +139,13 @@ class Profile:
         """backward_ms, or backward_accumulate_ms where measured when gradients accumulate."""
         return [float(x.backward_accumulate_ms if accumulate and x.backward_accumulate_ms is not None
                       else x.backward_ms) for x in self.layers]
+
+    def weight_column(self) -> list[float]:
+        """Per layer the W share of its backward (zero-bubble schedules): backward_weight_ms where measured,
+        else estimated as half of backward_ms for a layer with parameters (weight and input GEMMs cost alike)
+        and 0 for one without; never more than backward_ms."""
+        return [min(float(x.backward_ms), float(x.backward_weight_ms) if x.backward_weight_ms is not None
+                    else 0.5 * x.backward_ms if x.parameter_bytes > 0 else 0.0) for x in self.layers]
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"format": PROFILE_FORMAT, "model": self.model, "model_args": self.model_args,

@@ -32,6 +32,7 @@ from partitioner.measure import (
 from partitioner.profile import LayerProfile, Profile, ProfileError
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.spec import ModelError, ModelSpec, build_model, model_dtype, parse_model_args
+from pipeflow.split import time_split_backward
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -110,6 +111,9 @@ def profile_layer(layer: nn.Module, x: Any, *, device: torch.device, dtype: torc
              "backward_ms": statistics.median(bwd), "output_bytes": output_bytes,
              "activation_bytes": activation_bytes, "parameter_bytes": parameter_bytes,
              "backward_accumulate_ms": statistics.median(acc), "_passes": passes}
+    split = time_split_backward(layer, x, timer, warmup=warmup, repeats=repeats)  # zero bubble: B and W apart
+    if split is not None and sum(split) > 0:  # W's share of the (fused) backward
+        stats["backward_weight_ms"] = statistics.median(bwd) * split[1] / sum(split)
     return stats, out
 
 

@@ -65,7 +65,8 @@ def layer_costs(profile: Profile, schedule: str, optimizer: str) -> LayerCosts:
                          profile.backward_column(accumulate=not schedule_kind(schedule).step_per_backward),
                          profile.column("output_bytes"), profile.column("activation_bytes"),
                          profile.column("parameter_bytes"), loss_ms=profile.loss_ms or 0.0,
-                         optimizer_ms_per_byte=profile.optimizer_ms_per_byte.get(optimizer, 0.0))
+                         optimizer_ms_per_byte=profile.optimizer_ms_per_byte.get(optimizer, 0.0),
+                         backward_weight_ms=profile.weight_column())
 
 
 def _explain(model: CostModel, workers: int) -> PlanningError:
@@ -135,7 +136,9 @@ def _search(model: CostModel, keep_timeline: bool = False
     costs, sim = run(found.solution, keep_timeline)
     # The bound is proven below the simulated time for flushed schedules on one level (tests/
     # test_planner_bruteforce.py); elsewhere the search is the simulator's choice among the DP's best bounds.
-    exact = found.exact and schedule_kind(model.schedule).flush and len(model.topology.levels) == 1
+    # Not for a split backward: the DP's round trip counts whole backwards, so it does not bound zb's.
+    kind = schedule_kind(model.schedule)
+    exact = found.exact and kind.flush and not kind.split_backward and len(model.topology.levels) == 1
     info: dict[str, object] = {"bound_ms": round(found.solution.objective_ms, 6), "plans_simulated": found.simulated,
                                "exact": exact}
     if partial:

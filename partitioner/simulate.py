@@ -41,6 +41,7 @@ class StageCost:
     activation_bytes: float = 0.0
     optimizer_ms: float = 0.0
     output_bytes: float = 0.0
+    weight_ms: float = 0.0  # the W share of backward_ms, run apart where the schedule splits the backward
 
 
 @dataclass
@@ -101,6 +102,10 @@ def replay(sched: Schedule, stages: Sequence[StageCost], *, ranks: Sequence[Sequ
     chunks = [range(g, K, S) for g in range(S)]
     allreduce_ms = [sum(stages[k].allreduce_ms for k in ks) for ks in chunks]
     optimizer_ms = [sum(stages[k].optimizer_ms for k in ks) for ks in chunks]
+    # A split backward (zero bubble): B costs backward - W, W the rest; activations live until W, and W
+    # is the last backward the replicas' all-reduce overlaps.
+    split = any(a.kind is Kind.W for x in acts for a in x)
+    release = Kind.W if split else Kind.B
     pos, clock = [0] * n, [0.0] * n
     send_free, recv_free = [0.0] * n, [0.0] * n
     arrival: dict[tuple[int, Kind, int, int], float] = {}  # (receiver, F|B, its stage, microbatch) -> when
@@ -134,13 +139,14 @@ def replay(sched: Schedule, stages: Sequence[StageCost], *, ranks: Sequence[Sequ
                     clock[w] = start
                     heapq.heappush(heap, (start, w))
                     break
-                dur = cost.forward_ms if kind is Kind.F else (cost.backward_ms if kind is Kind.B else 0.0)
+                dur = (cost.forward_ms if kind is Kind.F else cost.weight_ms if kind is Kind.W
+                       else cost.backward_ms - cost.weight_ms if split else cost.backward_ms)
                 clock[w] = start + dur
                 busy[w] += dur
                 if kind is Kind.F:
                     live[w] += 1
                     peak[w] = max(peak[w], live[w])
-                elif kind is Kind.B:
+                elif kind is release:
                     live[w] -= 1
                     last_b[w] = start
                 if keep_timeline:

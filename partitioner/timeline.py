@@ -1,4 +1,5 @@
-"""Gantt chart of a simulated schedule: one row per rank, forward / backward / all-reduce / idle coloured."""
+"""Gantt chart of a simulated schedule: one row per rank, forward / backward / weight gradient (W of a split
+backward, zero bubble) / all-reduce / idle coloured."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -44,7 +45,10 @@ def draw(planned: Planned, path: str) -> None:
     ax.set_xlabel("ms")
     ax.set_title(f"{plan.schedule}, {plan.microbatches} microbatches: step {plan.predicted['step_ms']:.2f} ms, "
                  f"bubble {100 * plan.predicted['bubble_fraction']:.1f}%")
-    ax.legend(handles=[Patch(color=COLOURS["F"], label="forward"), Patch(color=COLOURS["B"], label="backward"),
+    split = any(iv.kind == "W" for iv in sim.timeline)
+    ax.legend(handles=[Patch(color=COLOURS["F"], label="forward"),
+                       Patch(color=COLOURS["B"], label="backward (input gradient: B)" if split else "backward"),
+                       *([Patch(color=COLOURS["W"], label="weight gradient (W)")] if split else []),
                        Patch(color=COLOURS["STEP"], label="all-reduce / step"), Patch(color=IDLE, label="idle")],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     fig.tight_layout()

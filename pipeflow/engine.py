@@ -17,6 +17,7 @@ from pipeflow.reduce import GradReducer, find_ties
 from pipeflow.schedule import Action, Kind, Schedule, generate
 from pipeflow.spec import ModelSpec
 from pipeflow.stage import Stage, mark_requires_grad
+from pipeflow.stash import segment_policy
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,10 @@ class Engine:
                                 last=k == K - 1, loss_fn=spec.loss_fn, device=world.device, dtype=dtype, seed=seed)
                        for k, st in enumerate(plan.stages) if k % self.S == self.s}
         self.stage = self.stages[self.s]  # the first (with one stage per rank, the only) chunk here
+        self.split = Kind.W if self.kind.split_backward else Kind.B  # zero bubble: B defers weight GEMMs to W
+        if self.kind.split_backward:
+            log.info("%s: B defers the weight gradients of %d nn.Linear module(s) to W (split.py)", schedule,
+                     sum(len(c.split_backward()) for c in self.stages.values()))
         self.optimizer = optimizer_factory(self.parameters())
         self.flush = self.kind.flush
         self.warmup, self.vertical_sync = warmup, vertical_sync
@@ -108,16 +113,8 @@ class Engine:
             self.p2p.set_window(send_window(self.sched))
 
     def _new_policy(self) -> None:
-        from pipeflow.stash import StashPolicy, version_fn  # stash.py subclasses WeightPolicy
-
-        old = self.policy
-        policy = StashPolicy(self.stage.module, self.actions, version_fn(
-            self.sched, self.s, minibatch=self.m, vertical_sync=self.vertical_sync), sched=self.sched,
-            worker=self.worker)
-        if isinstance(old, StashPolicy):  # reuse the previous segment's (free) copies
-            policy.pool = old.pool + list(old.copies.values())
-            policy.allocated = old.allocated
-        self.policy = policy
+        self.policy = segment_policy(self.stage.module, self.sched, self.worker, self.s, minibatch=self.m,
+                                     vertical_sync=self.vertical_sync, previous=self.policy)
 
     def begin_segment(self, first_step: int, steps: int) -> None:
         """Asynchronous schedules: the next `run(self.actions)` trains minibatches [first_step,
@@ -154,7 +151,7 @@ class Engine:
         recv_b: dict[tuple[int, int], Posted | None] = {}
         outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
         in_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
-        arm_at = arm_points(self.sched, self.worker, actions)
+        arm_at = arm_points(self.sched, self.worker, actions, self.split)  # the last B (or W) before a STEP
         steps_done = 0
         for a in actions:
             if a.kind is Kind.STEP:
@@ -183,12 +180,17 @@ class Engine:
                 if posted is None and not stage.last:
                     posted = self._post_recv_b(Action(Kind.RECV_B, i, a.stage), stage)
                 reducer = self.reducers.get(k)
-                if reducer is not None and key in arm_at and i in stage.saved:
+                if reducer is not None and self.split is Kind.B and key in arm_at and i in stage.saved:
                     reducer.arm(stage.saved[i].outputs)
                 in_grads[key] = self._backward(stage, i, posted)
                 # Buffers received for microbatch i are dead now: reused, unless aliased (comm.P2P.release).
                 self.p2p.release(self._received.pop(key, []) + (posted[0] if posted else []),
                                  (outputs.pop(key, None) or []) + in_grads[key])
+            elif a.kind is Kind.W:
+                if self.reducers.get(k) is not None and key in arm_at:
+                    self.reducers[k].arm_params(stage.deferred_weights(i))
+                with self.timer.span("W", i):
+                    stage.backward_weights(i)
             elif a.kind is Kind.SEND_B:
                 with self.timer.span("SEND_B", i):
                     self.p2p.send(in_grads.pop(key), self._peer(a), "B")

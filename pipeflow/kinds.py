@@ -9,16 +9,19 @@ Generated compute orders for S=3 stages, m=4 microbatches::
 
 `async` is 1f1b without the flush: STEP after every backward (PipeDream SOSP'19 §3.3); `2bw` steps after
 each worker's last backward of a minibatch, with two weight versions (PipeDream-2BW, ICML'21 §3.1).
+`zb` and `zb-h2` split each backward into B and W (ZB ICLR'24 §2; their orders: pipeflow/zerobubble.py).
 """
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pipeflow.actions import STEP, Action, B, F, Kind, ScheduleError
+from pipeflow.interleave import interleave_round, interleaved_order  # noqa: F401  (interleave_round: re-exported)
+from pipeflow.warmup import fill_warmup, warmup_forwards  # noqa: F401  (fill_warmup: re-exported)
+from pipeflow.zerobubble import zero_bubble_order
 
 N = TypeVar("N")  # a count, or a numpy array of counts (the planner's vectorised DP)
 
@@ -39,6 +42,8 @@ class InFlight(enum.Enum):
     FILL_UP_TO_ALL = "fill, at most all"  # FILL, capped by the minibatch's local microbatches (flushed 1f1b)
     # (chunk, microbatch) pairs: interleaved 1F1B's warm-up (v-1)*share + 2*(FILL-1), + 1, at most all
     INTERLEAVED = "interleaved warm-up"
+    PIPELINE = "pipeline, at most all"  # ceil(workers / replicas): 1F1B's first stage on every stage (zb)
+    TWICE_PIPELINE = "twice the pipeline, at most all"  # 2 ceil(workers / replicas) - 1 (zb-h2)
 
 
 # (worker's microbatches, microbatches in the list, replicas, stage, minibatch, warmup) -> compute order
@@ -71,6 +76,7 @@ class ScheduleKind:
     m_multiple_of_stages: bool = False  # m is a multiple of the rank groups S (Megatron's interleaving)
     # The parameter sets `--schedule auto` plans this record with (keyword arguments of the planning service)
     variants: tuple[tuple[tuple[str, int], ...], ...] = ((),)
+    split_backward: bool = False  # B computes input gradients only, W the weight gradients (split.py)
 
     @property
     def rule(self) -> str:
@@ -123,24 +129,6 @@ class ScheduleKind:
 
 
 # ---------------------------------------------------------------- generators
-
-
-def warmup_forwards(replicas: Sequence[int], stage: int) -> int:
-    """Forwards a stage runs before its first backward in 1F1B: enough to fill the workers downstream.
-
-    With one replica per stage this is S-1-s (DAPPLE / PipeDream-Flush); with replicas it is
-    PipeDream's NOAM ceil(workers from s on / replicas of s) minus the one in flight here.
-    """
-    return max(0, math.ceil(sum(replicas[stage:]) / replicas[stage]) - 1)
-
-
-def fill_warmup(replicas: Sequence[int], stage: int, *, backward_ratio: float = 2.0) -> int:
-    """Forwards that keep a stage busy until its first gradient returns, for stages of equal cost with
-    backward = `backward_ratio` x forward: the round trip to the last stage and back takes
-    (1 + ratio) x warmup_forwards forward-times. DAPPLE's minimum leaves the first stages idle that
-    long once per minibatch; when the first stage is the bottleneck that idle time is lost throughput.
-    Costs memory: that many more microbatches' activations in flight."""
-    return math.ceil((1 + backward_ratio) * warmup_forwards(replicas, stage))
 
 
 def _one_f_one_b(mbs: list[int], warmup: int) -> list[Action]:
@@ -196,48 +184,44 @@ def _2bw(mbs: list[int], microbatches: int, replicas: Sequence[int], stage: int,
     return out
 
 
-def interleave_round(replicas: Sequence[int]) -> int:
-    """Global microbatches in one round of the interleaved schedule: S, times the most replicas of a group
-    (every replica then has a share of each round; a dry run over S, v, m and replicas finds no deadlock)."""
-    return len(replicas) * max(replicas)
+def zero_bubble_limit(in_flight: InFlight, workers: int, replicas: Any, fill_peak: int | None = None) -> Any:
+    """Microbatches a replica of a zero-bubble schedule holds at most (forward run, W not yet), ZB ICLR'24
+    §2.1-2.2: ZB-H1 keeps 1F1B's peak, the first stage's ceil(workers / replicas), on every stage; ZB-H2 twice
+    that minus one (the paper's S and 2S - 1). With replicas the count is also capped by `fill_peak`, 1F1B's
+    most over all stages (the generator's rule); without it (the planner's DP, which does not know the other
+    stages; `workers` and `replicas` may be numpy arrays) the result is an upper bound."""
+    fill = -(-workers // replicas)
+    if fill_peak is not None:
+        fill = min(fill, fill_peak)
+    return 2 * fill - 1 if in_flight is InFlight.TWICE_PIPELINE else fill
 
 
-def _interleaved(mbs: list[int], microbatches: int, replicas: Sequence[int], group: int,
-                 virtual: int) -> list[Action]:
-    """Megatron's interleaved 1F1B (Narayanan et al., SC'21 §2.2): microbatches go in rounds of S (the rank
-    groups); a round runs chunk 0 of its microbatches, then chunk 1, ... (backwards: the last chunk
-    first). Warm-up: (v-1)*S + 2*(S-1-group) forwards, then one forward and one backward in turn.
+def _zero_bubble(twice: bool) -> OrderFn:
+    in_flight = InFlight.TWICE_PIPELINE if twice else InFlight.PIPELINE
 
-    With replicas, a round is interleave_round(replicas) consecutive global microbatches, the same on every group,
-    so that both ends of a channel order its messages alike (each worker runs its share of each round);
-    the warm-up counts this worker's share of a round and PipeDream's NOAM depth instead of S-1-group."""
-    S = len(replicas)
-    size = interleave_round(replicas)
-    rounds = [[i for i in mbs if i // size == k] for k in sorted({i // size for i in mbs})]
-    chunks = [group + c * S for c in range(virtual)]  # the model stages this group holds
-    forwards = [(k, i) for rnd in rounds for k in chunks for i in rnd]
-    backwards = [(k, i) for rnd in rounds for k in reversed(chunks) for i in rnd]
-    share = len(rounds[0]) if rounds else 0
-    warmup = min(len(forwards), (virtual - 1) * share + 2 * warmup_forwards(replicas, group))
-    order = [Action(Kind.F, i, k) for k, i in forwards[:warmup]]
-    for (fk, fi), (bk, bi) in zip(forwards[warmup:], backwards):
-        order += [Action(Kind.F, fi, fk), Action(Kind.B, bi, bk)]
-    order += [Action(Kind.B, i, k) for k, i in backwards[len(forwards) - warmup:]]
-    return order + [STEP]
+    def order(mbs: list[int], microbatches: int, replicas: Sequence[int], stage: int,
+              minibatch: int | None, warmup: int | None) -> list[Action]:
+        warm = [(2 if twice else 1) * warmup_forwards(replicas, t) for t in range(len(replicas))]
+        # 1F1B's most held by any worker (its first replica holds the most of a stage's microbatches)
+        peak = max(min(warmup_forwards(replicas, t) + 1, -(-microbatches // r)) for t, r in enumerate(replicas))
+        limits = [zero_bubble_limit(in_flight, sum(replicas), r, peak) for r in replicas]
+        return zero_bubble_order(mbs, microbatches, replicas, stage, warmups=warm, limits=limits)
+    return order
 
 
 def _interleaved_v1(mbs: list[int], microbatches: int, replicas: Sequence[int], stage: int,
                     minibatch: int | None, warmup: int | None) -> list[Action]:
-    return _interleaved(mbs, microbatches, replicas, stage, 1)
+    return interleaved_order(mbs, microbatches, replicas, stage, 1)
 
 
 # ---------------------------------------------------------------- the table
 
-def _flushed(name: str, order: OrderFn, in_flight: InFlight, *, warmup_applies: bool) -> ScheduleKind:
+def _flushed(name: str, order: OrderFn, in_flight: InFlight, *, warmup_applies: bool,
+             split_backward: bool = False) -> ScheduleKind:
     return ScheduleKind(name, order, flush=True, step_per_backward=False, mean_over_replicas=False,
                         weights=Weights.LIVE, in_flight=in_flight, warmup_applies=warmup_applies, ties_allowed=True,
                         agree_every_step=True, replicas_divide_m=False, replicas_at_most_m=False,
-                        m_at_least_stages_minus_1=False)
+                        m_at_least_stages_minus_1=False, split_backward=split_backward)
 
 
 TABLE: tuple[ScheduleKind, ...] = (
@@ -254,8 +238,10 @@ TABLE: tuple[ScheduleKind, ...] = (
     ScheduleKind("interleaved", _interleaved_v1, flush=True, step_per_backward=False, mean_over_replicas=False,
                  weights=Weights.LIVE, in_flight=InFlight.INTERLEAVED, warmup_applies=False, ties_allowed=True,
                  agree_every_step=True, replicas_divide_m=False, replicas_at_most_m=False,
-                 m_at_least_stages_minus_1=False, chunk_order=_interleaved, m_multiple_of_stages=True,
+                 m_at_least_stages_minus_1=False, chunk_order=interleaved_order, m_multiple_of_stages=True,
                  variants=((('virtual_stages', 2),),)),
+    _flushed("zb", _zero_bubble(False), InFlight.PIPELINE, warmup_applies=False, split_backward=True),
+    _flushed("zb-h2", _zero_bubble(True), InFlight.TWICE_PIPELINE, warmup_applies=False, split_backward=True),
 )
 _BY_NAME = {k.name: k for k in TABLE}
 SCHEDULES = tuple(_BY_NAME)

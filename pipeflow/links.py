@@ -64,13 +64,13 @@ def send_window(sched: Schedule) -> int:
     return 3 * (most + max(sched.replicas)) + 2
 
 
-def arm_points(sched: Schedule, worker: int, actions: list[Action]) -> set[tuple[int, int]]:
-    """(stage, microbatch) of each chunk's last backward before a STEP: its replicas' reducer is armed
-    there (reduce.GradReducer.arm), its gradients being final after it."""
+def arm_points(sched: Schedule, worker: int, actions: list[Action], kind: Kind = Kind.B) -> set[tuple[int, int]]:
+    """(stage, microbatch) of each chunk's last backward (`kind` B, or W where the backward is split) before a
+    STEP: its replicas' reducer is armed there (reduce.GradReducer), its gradients being final after it."""
     last: dict[int, tuple[int, int]] = {}
     out: set[tuple[int, int]] = set()
     for a in actions:
-        if a.kind is Kind.B and a.microbatch is not None:
+        if a.kind is kind and a.microbatch is not None:
             k = sched.stage_at(worker, a)
             last[k] = (k, a.microbatch)
         elif a.kind is Kind.STEP:

@@ -57,8 +57,15 @@ class GradReducer:
 
     def arm(self, roots: Sequence[torch.Tensor]) -> None:
         """The backward from `roots` is this member's last of the step: reduce as gradients become final."""
+        self._arm(*_graph_leaves(roots))
+
+    def arm_params(self, params: Sequence[torch.Tensor]) -> None:
+        """The coming W (weight-gradient pass of a split backward, pipeflow/split.py) is this member's last
+        work of the step and accumulates each of `params` once: every other gradient is final already."""
+        self._arm({id(p) for p in params}, False)
+
+    def _arm(self, leaves: set[int], nested: bool) -> None:
         self.next = 0
-        leaves, nested = _graph_leaves(roots)
         self.waiting = [sum(id(p) in leaves for p in ps) for ps in self.buckets]
         self.armed = not nested and any(self.waiting)
         if self.armed:

@@ -119,7 +119,9 @@ def _label(kind: Kind, stage: int | None, i: int) -> str:
 
 def validate(sched: Schedule) -> None:
     """Every microbatch of a worker: forward then backward exactly once on each stage it holds; RECV before
-    and SEND after the compute they serve; per channel, sends and receives in the same order."""
+    and SEND after the compute they serve; per channel, sends and receives in the same order. A schedule that
+    splits the backward (any W) runs W once per microbatch, after its B and before the next STEP (ZB ICLR'24 §2)."""
+    split = any(a.kind is Kind.W for acts in sched.actions for a in acts)
     # (src, dst, F|B) -> [(what, index)]: one channel carries every chunk's messages between two workers.
     channels: dict[tuple[int, int, Kind], list[tuple[object, int]]] = defaultdict(list)
     recvs: dict[tuple[int, int, Kind], list[tuple[object, int]]] = defaultdict(list)
@@ -135,6 +137,11 @@ def validate(sched: Schedule) -> None:
         for idx, a in enumerate(acts):
             if a.kind is Kind.STEP:
                 steps[w] += 1
+                late = sorted((i, k) for kind, k, i in seen if kind is Kind.B and (Kind.W, k, i) not in seen)
+                if split and late:
+                    missing = _label(Kind.W, names.get(late[0][1]), late[0][0])
+                    raise _fail(sched, f"worker {w} runs STEP before {missing}: a weight gradient must be "
+                                       "accumulated before the step that uses it", {w: idx})
                 continue
             assert a.microbatch is not None
             i = a.microbatch
@@ -154,6 +161,8 @@ def validate(sched: Schedule) -> None:
             seen[(a.kind, k, i)] = idx
             if a.kind is Kind.B and (Kind.F, k, i) not in seen:
                 raise _fail(sched, f"worker {w} runs {a} before {_label(Kind.F, a.stage, i)}", {w: idx})
+            if a.kind is Kind.W and (Kind.B, k, i) not in seen:
+                raise _fail(sched, f"worker {w} runs {a} before {_label(Kind.B, a.stage, i)}", {w: idx})
             if a.kind.is_send or a.kind.is_recv:
                 peer = sched.peer(w, a)
                 direction = a.kind.direction
@@ -173,7 +182,7 @@ def validate(sched: Schedule) -> None:
 
                 def name(kind: Kind, st: int | None = st, i: int = i) -> str:
                     return _label(kind, st, i)
-                for kind in (Kind.F, Kind.B):
+                for kind in (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B):
                     if (kind, k, i) not in seen:
                         raise _fail(sched, f"worker {w} (stage {k}) never runs {name(kind)}", {w: len(acts) - 1})
                 if k > 0 and (Kind.RECV_F, k, i) not in seen:

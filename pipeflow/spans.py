@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-COMPUTE = ("F", "B")  # what counts as work in the bubble; everything else is waiting or overhead
-CATEGORY = {"F": "compute", "B": "compute", "STEP": "optimizer", "SEND_F": "comm", "SEND_B": "comm",
+COMPUTE = ("F", "B", "W")  # what counts as work in the bubble; everything else is waiting or overhead
+CATEGORY = {"F": "compute", "B": "compute", "W": "compute", "STEP": "optimizer", "SEND_F": "comm", "SEND_B": "comm",
             "WAIT_F": "comm", "WAIT_B": "comm"}
 
 
@@ -112,7 +112,8 @@ def step_metrics(spans: list[Span], begin: float, end: float) -> dict[str, float
     wall = max((end - begin) * 1e3, 1e-9)
     compute = sum(ms[k] for k in COMPUTE)
     wait = ms["WAIT_F"] + ms["WAIT_B"]
-    return {"time/forward_ms": ms["F"], "time/backward_ms": ms["B"], "time/comm_wait_ms": wait,
+    # A split backward (zero bubble) counts its B and W as the backward.
+    return {"time/forward_ms": ms["F"], "time/backward_ms": ms["B"] + ms["W"], "time/comm_wait_ms": wait,
             "time/optimizer_ms": ms["STEP"], "time/idle_ms": max(wall - compute - wait, 0.0),
             "time/step_ms": wall, "pipeline/bubble_fraction": min(max(1.0 - compute / wall, 0.0), 1.0)}
 

@@ -13,6 +13,7 @@ from the default generators (the data order has its own generator).
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from torch.utils._pytree import tree_map
 
 from pipeflow.comm import _not_sequence, flatten
 from pipeflow.spec import model_dtype
+from pipeflow.split import WeightGradStore, install
 
 _MASK64 = (1 << 64) - 1
 
@@ -91,6 +93,13 @@ class Stage:
             index = device.index if device.index is not None else torch.cuda.current_device()
             self.generators.append(torch.cuda.default_generators[index])
         self.saved: dict[int, _Saved] = {}
+        self.weight_store: WeightGradStore | None = None  # set by split_backward
+
+    def split_backward(self) -> list[str]:
+        """Zero-bubble schedules: from now on `backward` (B) defers the weight GEMMs of the stage's nn.Linear
+        layers and `backward_weights` (W) runs them (pipeflow/split.py). Returns the split modules' names."""
+        self.weight_store = WeightGradStore()
+        return install(self.module, self.weight_store)
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
@@ -139,12 +148,24 @@ class Stage:
     def backward(self, mb: int, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """Backward of one microbatch; returns the gradients of the inputs that required grad."""
         saved = self.saved.pop(mb)
-        if self.last:
-            torch.autograd.backward(saved.outputs)
-        elif saved.outputs:
-            assert grads is not None and len(grads) == len(saved.outputs), "gradient count mismatch"
-            torch.autograd.backward(saved.outputs, grads)
+        store = self.weight_store
+        with store.defer(mb) if store is not None else contextlib.nullcontext():
+            if self.last:
+                torch.autograd.backward(saved.outputs)
+            elif saved.outputs:
+                assert grads is not None and len(grads) == len(saved.outputs), "gradient count mismatch"
+                torch.autograd.backward(saved.outputs, grads)
         return [t.grad if t.grad is not None else torch.zeros_like(t) for t in saved.inputs]
+
+    def backward_weights(self, mb: int) -> None:
+        """W of microbatch `mb`: the weight gradients its B deferred, accumulated into .grad (nothing to do
+        without split_backward)."""
+        if self.weight_store is not None:
+            self.weight_store.flush(mb)
+
+    def deferred_weights(self, mb: int) -> list[nn.Parameter]:
+        """The parameters `backward_weights(mb)` will accumulate into, each once."""
+        return self.weight_store.weights(mb) if self.weight_store is not None else []
 
 
 def mark_requires_grad(tensors: list[torch.Tensor], flags: list[bool]) -> list[torch.Tensor]:

@@ -252,3 +252,16 @@ class StashPolicy(WeightPolicy):
     def finish(self) -> None:
         log.info("stash peak: %d bytes, %d versions (stage parameters %d bytes)", self.peak_bytes,
                  self.book.peak, self.param_bytes)
+
+
+def segment_policy(module: nn.Module, sched: Schedule, worker: int, stage: int, *, minibatch: int,
+                   vertical_sync: bool, previous: object) -> StashPolicy:
+    """The weight policy of a segment's action list (Engine.begin_segment), reusing the previous segment's
+    free copies when there was one."""
+    policy = StashPolicy(module, sched.actions[worker], version_fn(sched, stage, minibatch=minibatch,
+                                                                  vertical_sync=vertical_sync),
+                         sched=sched, worker=worker)
+    if isinstance(previous, StashPolicy):
+        policy.pool = previous.pool + list(previous.copies.values())
+        policy.allocated = previous.allocated
+    return policy

@@ -97,7 +97,7 @@ def test_pipeline_in_one_process_and_its_usage_errors() -> None:
     for k in want:
         torch.testing.assert_close(got[k], want[k])
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses))
-    with pytest.raises(ValueError, match=r"^plan.schedule must be one of gpipe, 1f1b, async, 2bw, interleaved, "
-                                         r"found 'zigzag'$"):
+    with pytest.raises(ValueError, match=r"^plan.schedule must be one of gpipe, 1f1b, async, 2bw, interleaved, zb, "
+                                         r"zb-h2, found 'zigzag'$"):
         Pipeline(api_user_loop.model(), F.cross_entropy, schedule="zigzag", device="cpu",
                  optimizer=lambda p: torch.optim.SGD(p, lr=0.1))

@@ -84,9 +84,9 @@ def test_device_cuda_without_a_gpu_is_a_usage_error():
 
 def test_plan_schedule_and_action_list_size_are_checked_at_setup():
     # The plan itself refuses a schedule pipeflow does not know (partitioner/plan.py: Plan.validate)...
-    with pytest.raises(PlanError,
-                       match=r"^plan\.schedule must be one of gpipe, 1f1b, async, 2bw, interleaved, found 'zb'$"):
-        even_plan(4, 2, schedule="zb", microbatches=4)
+    with pytest.raises(PlanError, match=r"^plan\.schedule must be one of gpipe, 1f1b, async, 2bw, interleaved, zb, "
+                                        r"zb-h2, found 'zb-h3'$"):
+        even_plan(4, 2, schedule="zb-h3", microbatches=4)
     # async runs all --steps as one list without --checkpoint-dir: 8 x 1000000 microbatches cannot be built...
     args = build_parser().parse_args([*BASE, "--schedule", "async", "--steps", "1000000"])
     with pytest.raises(config.ConfigError, match=r"^--schedule async with 8 microbatches x 1000000 steps per segment "
@@ -133,7 +133,7 @@ def bad_setups(d: Path) -> list[Case]:
     """Runs that stop at set-up (exit 2, no MPI Abort) or stop together at a step (exit 4): batched, with
     check=False; the names are the tests' cases, in this order."""
     zb = d / "zb.json"
-    write_plan(zb, "zb", 4, [(2, 1), (2, 1)])
+    write_plan(zb, "zb-h3", 4, [(2, 1), (2, 1)])
     nan = ["--model", "tests.test_bad_input:nan_data_mlp", "--model-args", json.dumps(MLP), "--device", "cpu",
            "--layers-per-stage", "even", "--optimizer", "sgd", "--microbatches", "2", "--steps", "50",
            "--skip-nonfinite", "--max-skips", "3"]
@@ -157,7 +157,7 @@ def test_bad_setups_end_to_end_print_one_whole_line(mpi: MpiRun):
                       "model builder: expected 'package.module:function' of your own code returning a "
                       "pipeflow.ModelSpec", 2),
         ("zb", f"pipeflow-train: error: {mpi.dir / 'zb.json'}: plan.schedule must be one of gpipe, 1f1b, async, 2bw, "
-               "interleaved, found 'zb'", 2),
+               "interleaved, zb, zb-h2, found 'zb-h3'", 2),
         ("huge m", "pipeflow-train: error: --microbatches gives 100000000 microbatches in one schedule", 2),
         ("nan", "pipeflow-train: non-finite loss on stage 1 (the last) and gradients on stages 0, 1 at step 3: "
                 "3 consecutive steps skipped (3 in all; --skip-nonfinite stops after --max-skips 3 in a row), "

@@ -1,4 +1,4 @@
-"""gpipe and 1f1b under mpirun equal single-process training, parameter by parameter."""
+"""gpipe, 1f1b, zb and zb-h2 under mpirun equal single-process training, parameter by parameter."""
 from __future__ import annotations
 
 import json
@@ -24,7 +24,7 @@ def pipeline(d: Path, model: str, schedule: str, np_: int) -> Case:
 
 
 @pytest.mark.parametrize("np_", [2, 4])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb", "zb-h2"])
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
 @batched(pipeline)
 def test_pipeline_equals_single_process(mpi: MpiRun, model, schedule, np_):

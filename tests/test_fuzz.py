@@ -97,7 +97,7 @@ FLAGS = {
     "--model-args": st.sampled_from(['{"layers": 3, "samples": 16}', "[1]", "{", '{"layers": 1}',
                                      '{"hidden": -2}', '{"bogus": 1}', '{"layers": "x"}', "null"]),
     "--plan": st.sampled_from(["/nonexistent.json", "/dev/null", "/etc/hostname"]),
-    "--schedule": st.sampled_from(["1f1b", "gpipe", "async", "2bw", "zb", "", "GPIPE"]),
+    "--schedule": st.sampled_from(["1f1b", "gpipe", "async", "2bw", "zb", "zb-h2", "zb-h3", "", "GPIPE"]),
     "--steps": st.integers(-2, 3).map(str) | st.sampled_from(["x", "1e3", ""]),
     "--microbatches": st.integers(-1, 4).map(str),
     "--microbatch-size": st.integers(-1, 4).map(str) | st.just("2.5"),
@@ -149,7 +149,7 @@ def plan_file(tmp_path, name, stages, workers=2):
 
 
 BAD_SETUPS = ["plan is for 3 workers but 2 processes", "plan covers layers [0, 5) but the model has 6",
-              "lists ranks [0] more than once", "cannot split 1 layers into 2 stages", "unknown schedule 'zb'",
+              "lists ranks [0] more than once", "cannot split 1 layers into 2 stages", "unknown schedule 'zb-h3'",
               "unknown model 'resnet'", "--steps must be >= 1, found 0", "--checkpoint-every needs --checkpoint-dir"]
 
 
@@ -166,7 +166,7 @@ def bad_setups(d: Path) -> list[Case]:
             d, "dup.json", [((0, 3), [0]), ((3, 6), [0])])],
         "cannot split 1 layers into 2 stages": ["--model", "tests.test_fuzz:one_layer", "--device", "cpu",
                                                 "--layers-per-stage", "even"],
-        "unknown schedule 'zb'": [*mlp, "--schedule", "zb"],
+        "unknown schedule 'zb-h3'": [*mlp, "--schedule", "zb-h3"],
         "unknown model 'resnet'": ["--model", "resnet"],
         "--steps must be >= 1, found 0": [*mlp, "--steps", "0"],
         "--checkpoint-every needs --checkpoint-dir": [*mlp, "--checkpoint-every", "2"],

@@ -27,12 +27,12 @@ def _lists(kind: ScheduleKind, S: int, m: int, reps: tuple[int, ...], minibatche
 
 
 def test_table_names_and_lookup():
-    assert SCHEDULES == ("gpipe", "1f1b", "async", "2bw", "interleaved") == tuple(k.name for k in TABLE)
+    assert SCHEDULES == ("gpipe", "1f1b", "async", "2bw", "interleaved", "zb", "zb-h2") == tuple(k.name for k in TABLE)
     for k in TABLE:
         assert schedule_kind(k.name) is k
-    with pytest.raises(ScheduleError,
-                       match=r"^unknown schedule 'zb'; expected one of gpipe, 1f1b, async, 2bw, interleaved$"):
-        schedule_kind("zb")
+    with pytest.raises(ScheduleError, match=r"^unknown schedule 'zb-h3'; expected one of gpipe, 1f1b, async, 2bw, "
+                                            r"interleaved, zb, zb-h2$"):
+        schedule_kind("zb-h3")
     import partitioner.planner
     import pipeflow.schedule
     assert pipeflow.schedule.SCHEDULES is SCHEDULES and partitioner.planner.SCHEDULES is SCHEDULES
@@ -77,28 +77,34 @@ def test_loss_scale_and_microbatches_per_update(name, scale, per_update, mean):
 
 @pytest.mark.parametrize("S,m,reps", [(3, 6, (1, 1, 1)), (3, 6, (1, 2, 1)), (2, 8, (1, 1))])
 def test_in_flight_rule_matches_the_generated_lists(S, m, reps):
-    """The record's in-flight rule (the planner's memory model) is the generated lists' peak F-B count."""
-    from pipeflow.kinds import warmup_forwards
+    """The record's in-flight rule (the planner's memory model) is the generated lists' peak F-B count (F-W
+    where the backward is split: the activations a W needs live until it runs)."""
+    from pipeflow.kinds import warmup_forwards, zero_bubble_limit
 
     for kind in TABLE:
         sched = _lists(kind, S, m, reps)
+        release = Kind.W if kind.split_backward else Kind.B
         for w, (s, _) in enumerate(sched.workers):
             held = peak = 0
             for a in sched.actions[w]:
-                held += (a.kind is Kind.F) - (a.kind is Kind.B)
+                held += (a.kind is Kind.F) - (a.kind is release)
                 peak = max(peak, held)
             local = len([i for i in range(m) if i % reps[s] == w - sched.worker(s, 0)])
             fill = warmup_forwards(reps, s) + 1
+            most = max(min(warmup_forwards(reps, t) + 1, -(-m // r)) for t, r in enumerate(reps))
+            zb = min(zero_bubble_limit(kind.in_flight, sum(reps), reps[s], most), local)
             want = {InFlight.ALL: local, InFlight.FILL_UP_TO_ALL: min(fill, local), InFlight.FILL: fill,
-                    InFlight.INTERLEAVED: min(2 * fill - 1, local)}[kind.in_flight]
+                    InFlight.INTERLEAVED: min(2 * fill - 1, local), InFlight.PIPELINE: zb,
+                    InFlight.TWICE_PIPELINE: zb}[kind.in_flight]
             assert peak == want, (kind.name, w)
 
 
 def test_stashed_versions_and_weights():
     assert [schedule_kind(n).weights for n in SCHEDULES] == [Weights.LIVE, Weights.LIVE, Weights.STASH,
-                                                             Weights.DOUBLE_BUFFER, Weights.LIVE]
-    assert [schedule_kind(n).stashed_versions(5) for n in SCHEDULES] == [0, 0, 5, 1, 0]
-    assert [schedule_kind(n).vertical_sync for n in SCHEDULES] == [False, False, True, False, False]
+                                                             Weights.DOUBLE_BUFFER, Weights.LIVE, Weights.LIVE,
+                                                             Weights.LIVE]
+    assert [schedule_kind(n).stashed_versions(5) for n in SCHEDULES] == [0, 0, 5, 1, 0, 0, 0]
+    assert [schedule_kind(n).vertical_sync for n in SCHEDULES] == [False, False, True, False, False, False, False]
     from pipeflow.stash import version_fn
     for name in SCHEDULES:
         sched = generate(name, 2, 4, minibatch=2)
@@ -143,7 +149,7 @@ def test_constraints_on_m_and_replicas(name, m, reps, message):
 def test_rule_text_for_the_planner():
     assert [schedule_kind(n).rule for n in SCHEDULES] == [
         "", "", "every stage's replica count must divide m", "m >= every stage's replica count and m >= stages - 1",
-        "m a multiple of the pipeline's rank groups (at least 2)"]
+        "m a multiple of the pipeline's rank groups (at least 2)", "", ""]
 
 
 def test_generators_enforce_what_they_need():

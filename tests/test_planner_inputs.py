@@ -71,15 +71,16 @@ def test_largest_allowed_size_answers_quickly(tmp_path: Path, profile_path: Path
 
 
 def test_unknown_schedule_in_plan_json(tmp_path: Path, profile_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    d = {"format": "pipeflow.plan/1", "schedule": "zb", "microbatches": 4, "workers": 1,
+    d = {"format": "pipeflow.plan/1", "schedule": "zb-h3", "microbatches": 4, "workers": 1,
          "stages": [{"layers": [0, 8], "replicas": 1, "ranks": [0]}]}
     with pytest.raises(PlanError) as e:
         Plan.from_json(d, source="plan.json")
-    assert str(e.value) == "plan.json: plan.schedule must be one of gpipe, 1f1b, async, 2bw, interleaved, found 'zb'"
+    assert str(e.value) == ("plan.json: plan.schedule must be one of gpipe, 1f1b, async, 2bw, interleaved, zb, zb-h2, "
+                            "found 'zb-h3'")
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(d))
     err = one_line_error(capsys, [str(profile_path), "--evaluate", str(path), "-o", str(tmp_path / "out.json")])
-    assert err.endswith("plan.schedule must be one of gpipe, 1f1b, async, 2bw, interleaved, found 'zb'")
+    assert err.endswith("plan.schedule must be one of gpipe, 1f1b, async, 2bw, interleaved, zb, zb-h2, found 'zb-h3'")
 
 
 def test_async_where_the_dp_would_replicate_gets_a_valid_plan(tmp_path: Path) -> None:
