@@ -12,8 +12,8 @@ from partitioner.plan import Plan
 from pipeflow.comm import P2P, World, all_reduce
 from pipeflow.hooks import Feed, GateFactory, StepGate, Timer, Timing, WeightHooks, WeightPolicy
 from pipeflow.kinds import Weights, schedule_kind
-from pipeflow.links import arm_points, make_links, send_window, tie_groups, tied_async_error, tied_here
-from pipeflow.reduce import GradReducer, find_ties
+from pipeflow.links import arm_points, make_links, make_reducers, send_window, tied_async_error
+from pipeflow.reduce import find_ties
 from pipeflow.schedule import Action, Kind, Schedule, generate
 from pipeflow.spec import ModelSpec
 from pipeflow.stage import Stage, mark_requires_grad
@@ -67,20 +67,8 @@ class Engine:
         self.p2p = P2P(world, links.p2p, window=send_window(self.sched))
         self.p2p.warm_up()
         self._logged_peak = 0
-        chunks = list(self.stages.values())
-        tied = {id(p) for _, p in tied_here(self.ties, chunks)}
-        self.tie_reducers = [GradReducer(params, group, overlap=False)
-                             for params, group in tie_groups(self.ties, chunks, links.tie_groups)]
-        self.reducers: dict[int, GradReducer] = {}
         st = plan.stages[self.s]
-        if st.replicas > 1:
-            group = self.replica_groups[tuple(st.ranks)]
-            # async: PipeDream's replicas are DDP, an update takes the mean of their r gradients; flush
-            # schedules scale each microbatch's loss by 1/m, so the sum is already the minibatch mean.
-            # Several chunks: each reduces in finish(), in chunk order, the same on every replica.
-            self.reducers = {k: GradReducer([p for p in c.parameters() if id(p) not in tied], group,
-                                            average=self.kind.mean_over_replicas, overlap=len(chunks) == 1)
-                             for k, c in self.stages.items()}
+        self.tie_reducers, self.reducers = make_reducers(self.stages, self.ties, links, st.ranks, self.kind)
         self.policy: WeightHooks = WeightPolicy()
         if self.kind.weights is not Weights.LIVE:
             self._new_policy()
@@ -151,6 +139,7 @@ class Engine:
         recv_b: dict[tuple[int, int], Posted | None] = {}
         outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
         in_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        dead: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # buffers to release
         arm_at = arm_points(self.sched, self.worker, actions, self.split)  # the last B (or W) before a STEP
         steps_done = 0
         for a in actions:
@@ -183,14 +172,18 @@ class Engine:
                 if reducer is not None and self.split is Kind.B and key in arm_at and i in stage.saved:
                     reducer.arm(stage.saved[i].outputs)
                 in_grads[key] = self._backward(stage, i, posted)
-                # Buffers received for microbatch i are dead now: reused, unless aliased (comm.P2P.release).
-                self.p2p.release(self._received.pop(key, []) + (posted[0] if posted else []),
-                                 (outputs.pop(key, None) or []) + in_grads[key])
+                # Buffers received for microbatch i are dead after its backward (W, where split: the deferred
+                # weight GEMMs read them): reused then, unless aliased (comm.P2P.release).
+                dead[key] = (self._received.pop(key, []) + (posted[0] if posted else []),
+                             (outputs.pop(key, None) or []) + in_grads[key])
+                if self.split is Kind.B:
+                    self.p2p.release(*dead.pop(key))
             elif a.kind is Kind.W:
                 if self.reducers.get(k) is not None and key in arm_at:
                     self.reducers[k].arm_params(stage.deferred_weights(i))
                 with self.timer.span("W", i):
                     stage.backward_weights(i)
+                self.p2p.release(*dead.pop(key))
             elif a.kind is Kind.SEND_B:
                 with self.timer.span("SEND_B", i):
                     self.p2p.send(in_grads.pop(key), self._peer(a), "B")

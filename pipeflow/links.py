@@ -12,7 +12,8 @@ import torch
 from partitioner.plan import Plan
 from pipeflow.actions import Action, Kind, Schedule
 from pipeflow.comm import World, new_group, new_groups, p2p_group_options
-from pipeflow.reduce import Tie
+from pipeflow.kinds import ScheduleKind
+from pipeflow.reduce import GradReducer, Tie
 from pipeflow.stage import Stage
 
 
@@ -111,3 +112,22 @@ def tied_async_error(ties: list[Tie], schedule: str) -> str:
     return (f"parameter {' = '.join(t.keys)} is shared by stages {', '.join(map(str, t.stages))}, which --schedule "
             f"{schedule} cannot train: its stages use different weight versions of one parameter. Use --schedule "
             "gpipe or 1f1b, or a plan that keeps the tied layers on one stage")
+
+
+def make_reducers(stages: dict[int, Stage], ties: list[Tie], links: Links, ranks: list[int], kind: ScheduleKind
+                  ) -> tuple[list[GradReducer], dict[int, GradReducer]]:
+    """The gradient reducers of a rank's chunks: one per tie rank set it is in (summing a tied parameter's
+    gradient over its uses), and with replicas one per chunk over the replica group, tied parameters apart."""
+    chunks = list(stages.values())
+    tied = {id(p) for _, p in tied_here(ties, chunks)}
+    tie_reducers = [GradReducer(params, group, overlap=False) for params, group in tie_groups(ties, chunks,
+                                                                                              links.tie_groups)]
+    if len(ranks) == 1:
+        return tie_reducers, {}
+    group = links.replica_groups[tuple(ranks)]
+    # async: PipeDream's replicas are DDP, an update takes the mean of their r gradients; flush schedules
+    # scale each microbatch's loss by 1/m, so the sum is already the minibatch mean. Several chunks: each
+    # reduces in finish(), in chunk order, the same on every replica.
+    return tie_reducers, {k: GradReducer([p for p in c.parameters() if id(p) not in tied], group,
+                                         average=kind.mean_over_replicas, overlap=len(chunks) == 1)
+                          for k, c in stages.items()}

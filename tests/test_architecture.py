@@ -23,13 +23,15 @@ OVERSIZE = {
 
 # Schedule and file formats: the schedule IR and the plan, profile and JSON-file modules. They import
 # nothing of the runtime, of the planner or of torch: pipeflow-plan and the launcher read them without it.
-FORMATS = {"pipeflow.schedule", "pipeflow.actions", "pipeflow.kinds", "pipeflow.zerobubble", "partitioner.plan",
+FORMATS = {"pipeflow.schedule", "pipeflow.actions", "pipeflow.kinds", "pipeflow.zerobubble", "pipeflow.interleave",
+           "pipeflow.warmup", "partitioner.plan",
            "partitioner.profile", "partitioner.jsonfile"}
 # What of pipeflow the partitioner may import (directly or through another module): the schedule IR
 # (actions, the schedule kind table, the generators), which the simulator replays; and for the profiler
 # alone, the model contract it profiles (pipeflow.spec: ModelSpec, build_model) and the data order it
 # feeds (pipeflow.data.loader: MicrobatchLoader), and the B/W split it times (pipeflow.split).
-PARTITIONER_MAY_IMPORT = {"pipeflow.schedule", "pipeflow.actions", "pipeflow.kinds", "pipeflow.zerobubble"}
+PARTITIONER_MAY_IMPORT = {"pipeflow.schedule", "pipeflow.actions", "pipeflow.kinds", "pipeflow.zerobubble",
+                         "pipeflow.interleave", "pipeflow.warmup"}
 PROFILER_MAY_IMPORT = PARTITIONER_MAY_IMPORT | {"pipeflow.spec", "pipeflow.data.loader", "pipeflow.split"}
 # The communication modules, the only ones that may import mpi4py or torch.distributed: pipeflow.comm (the
 # point-to-point channels and process groups of torch.distributed, and MPI's bootstrap of them) and

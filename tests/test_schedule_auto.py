@@ -98,7 +98,7 @@ def test_memory_limit_rules_out_gpipe(tmp_path: Path, capsys: pytest.CaptureFixt
     assert code == 0, err
     assert plan is not None and plan.schedule == "1f1b"
     assert "  gpipe: no plan fits --memory-per-worker" in out
-    assert "chose 1f1b: 1f1b predicts 166.7 samples/s, 3.1% above interleaved(virtual_stages=2) (161.6)" in out
+    assert "chose 1f1b: 1f1b and zb predict the same 166.7 samples/s and memory; 1f1b comes first" in out
 
 
 def test_candidates_follow_the_table_and_its_variants(monkeypatch: pytest.MonkeyPatch) -> None:
