@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from pipeflow import checkpoint, restore
+from pipeflow.checkpoint import CheckpointError
 from pipeflow.engine import WeightPolicy
 from pipeflow.spec import build_model
 from pipeflow.stage import Stage
@@ -103,6 +105,18 @@ def test_chunk_files_round_trip_between_interleaved_and_flat_splits(tmp_path):
         for name, state in states.items():
             for key, value in state.items():
                 torch.testing.assert_close(got_states[name][key], value, rtol=0, atol=0)
+
+
+def test_layers_missing_for_one_chunk_are_named_with_every_chunk(tmp_path):
+    layers = [(0, 2), (2, 4), (4, 5), (5, 6)]
+    ranks = [fake_engine({0: layers[0], 2: layers[2]}, steps=1), fake_engine({1: layers[1], 3: layers[3]}, steps=1)]
+    d = write(tmp_path, ranks, layers)
+    marker = json.loads((d / checkpoint.MARKER).read_text())
+    marker["stages"] = marker["stages"][:2]  # a marker that lost the stages of layers [4, 6)
+    with pytest.raises(CheckpointError) as e:
+        restore.load(fake_engine({0: layers[0], 2: layers[2]}, steps=0), d, RUN, marker)
+    assert str(e.value) == (f"{d} (stage-000.pt): parameters do not match layers [0, 2), [4, 5) of this model: "
+                            "missing ['4.fc.weight', '4.fc.bias'], unexpected []")
 
 
 # ------------------------------------------------------------------------------ under mpirun
