@@ -1,12 +1,14 @@
 """Checkpoints stored per layer (model-wide keys): atomic per-stage files, a COMPLETE marker, resume.
 
-    D/step-000005/stage-000.pt   weights, optimizer state, RNG of stage 0
+    D/step-000005/stage-000.pt   weights, optimizer state, RNG of (model) stage 0
     D/step-000005/stage-001.pt
     D/step-000005/COMPLETE       JSON written by rank 0 once every stage confirmed its file, with each
                                  file's size and sha256, so that a resume can verify them exactly
 
 Weights use the keys of nn.Sequential(*spec.layers) ("3.fc.weight") and optimizer state is keyed by
-the same parameter names, so a checkpoint resumes under any plan or number of workers. The data
+the same parameter names, so a checkpoint resumes under any plan or number of workers. A rank holding
+several chunks (--schedule interleaved: model stage k on rank group k mod S) writes one file per chunk, so
+the files are one per model stage, whatever the plan, and the format is the same. The data
 position is the step: the sample order is a pure function of the seed and the step (data/loader.py).
 
 This module is the format and the writing side; restore.py finds, verifies and loads checkpoints.
@@ -50,37 +52,64 @@ def stage_file(d: Path, stage: int) -> Path:
 # ---------------------------------------------------------------------------------------- writing
 
 
+def chunks(engine: Any) -> dict[int, Any]:
+    """Model stage -> Stage of the chunks this rank holds (engine.stages: several under interleaving). An
+    engine-like object with only `.stage` and its stage index `.s` holds one chunk."""
+    stages = getattr(engine, "stages", None)
+    return dict(stages) if stages else {engine.s: engine.stage}
+
+
+def chunk_layers(chunk: Any) -> tuple[int, int]:
+    """The model-wide layers [start, end) of a chunk."""
+    return chunk.start, chunk.start + len(chunk.module)
+
+
 def _param_names(engine: Any) -> dict[int, list[str]]:
-    """id(parameter) -> its model-wide names ("3.fc.weight"): several for a Parameter that layers share
-    (tied weights), whose optimizer state is then written under each, as its weight is."""
+    """id(parameter) -> its model-wide names ("3.fc.weight"), over every chunk of this rank: several for a
+    Parameter that layers share (tied weights), whose optimizer state is then written under each, as its
+    weight is."""
     out: dict[int, list[str]] = {}
-    for k, p in engine.stage.module.named_parameters(remove_duplicate=False):
-        idx, _, rest = k.partition(".")
-        out.setdefault(id(p), []).append(f"{int(idx) + engine.stage.start}.{rest}")
+    for chunk in chunks(engine).values():
+        for k, p in chunk.module.named_parameters(remove_duplicate=False):
+            idx, _, rest = k.partition(".")
+            out.setdefault(id(p), []).append(f"{int(idx) + chunk.start}.{rest}")
     return out
 
 
-def optimizer_state(engine: Any) -> dict[str, Any]:
-    """torch's optimizer state_dict with parameter indices replaced by model-wide parameter names."""
+def _layer(key: str) -> int:
+    head = key.partition(".")[0]
+    return int(head) if head.isdigit() else -1
+
+
+def optimizer_state(engine: Any, layers: tuple[int, int] | None = None) -> dict[str, Any]:
+    """torch's optimizer state_dict with parameter indices replaced by model-wide parameter names; with
+    `layers` [a, b), only the names of those layers (one chunk's share of the rank's single optimizer)."""
     opt = engine.optimizer
     names = _param_names(engine)
+    if layers is not None:
+        names = {i: [n for n in ns if layers[0] <= _layer(n) < layers[1]] for i, ns in names.items()}
     order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
     sd = opt.state_dict()
     state = {name: {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
              for i, s in sd["state"].items() for name in order[i]}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [order[i][0] for i in g["params"]]}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [order[i][0] for i in g["params"]
+                                                                           if order[i]]}
               for g in sd["param_groups"]]
     return {"class": type(opt).__name__, "state": state, "groups": groups}
 
 
-def stage_payload(engine: Any, step: int, run_info: dict[str, Any]) -> dict[str, Any]:
+def stage_payload(engine: Any, step: int, run_info: dict[str, Any], k: int | None = None) -> dict[str, Any]:
+    """The file of model stage `k` (default: the rank's first chunk): its weights and optimizer state, and
+    the rank's RNG state (the same in every file of the rank)."""
+    k = engine.s if k is None else k
+    chunk = chunks(engine)[k]
+    a, b = chunk_layers(chunk)
     rng: dict[str, Any] = {"torch": torch.get_rng_state()}
     if engine.world.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(engine.world.device)
-    return {"format": CKPT_FORMAT, "step": step, "stage": engine.s,
-            "layers": [engine.stage.start, engine.stage.start + len(engine.stage.module)],
-            "weights": {k: v.clone() for k, v in engine.state_dict().items()},
-            "optimizer": optimizer_state(engine), "rng": rng,
+    return {"format": CKPT_FORMAT, "step": step, "stage": k, "layers": [a, b],
+            "weights": {name: v.clone() for name, v in chunk.model_state_dict().items()},
+            "optimizer": optimizer_state(engine, (a, b)), "rng": rng,
             "extra": None, "run": run_info}  # "extra": kept in the format, unused
 
 
@@ -142,7 +171,8 @@ def reason(e: BaseException) -> str:
 
 
 def save(engine: Any, root: str | Path, step: int, comm: Any, run_info: dict[str, Any]) -> Path:
-    """Collective: replica 0 of every stage writes its file; rank 0 writes COMPLETE, with every file's size and
+    """Collective: replica 0 of every rank group writes the file of each stage it holds (one per chunk under
+    interleaving); rank 0 writes COMPLETE, with every file's size and
     sha256, once all confirmed. A failure on any rank raises CheckpointError on every rank ("checkpoint of step
     5 to D/step-000005 failed: ...: No space left on device"), the step left without its marker."""
     d = step_dir(root, step)
@@ -154,21 +184,22 @@ def save(engine: Any, root: str | Path, step: int, comm: Any, run_info: dict[str
         except OSError as e:
             error = f"cannot create the directory: {e.strerror}"
     comm.Barrier()
-    written: tuple[int, int, str] | None = None  # (stage, bytes, sha256)
-    if engine.r == 0 and error is None:
-        path = stage_file(d, engine.s)
+    written: list[tuple[int, int, str]] = []  # (model stage, bytes, sha256)
+    for k in (sorted(chunks(engine)) if engine.r == 0 and error is None else []):
+        path = stage_file(d, k)
         try:
             d.mkdir(parents=True, exist_ok=True)
-            payload = stage_payload(engine, step, run_info)
-            written = (engine.s, *write_torch(path, payload))
+            payload = stage_payload(engine, step, run_info, k)
+            written.append((k, *write_torch(path, payload)))
         except (OSError, RuntimeError) as e:  # RuntimeError: torch's writer failed without an OSError behind
             error = f"cannot write {path.name}: {reason(e)}"
+            break
     results = comm.allgather((error, written))
     errors = [e for e, _ in results if e]
     if errors:
         raise CheckpointError(f"checkpoint of step {step} to {d} failed: {errors[0]}")
     if comm.Get_rank() == 0:
-        sums = {s: (n, sha) for _, w in results if w is not None for s, n, sha in [w]}
+        sums = {s: (n, sha) for _, w in results for s, n, sha in w}
         stages = [{"file": stage_file(d, s).name, "layers": list(st.layers), "bytes": sums[s][0],
                    "sha256": sums[s][1]} for s, st in enumerate(engine.plan.stages)]
         marker = {"format": CKPT_FORMAT, "step": step, "stages": stages, "run": run_info}
@@ -187,4 +218,5 @@ def run_info(args: TrainConfig, spec: Any, plan: Any) -> dict[str, Any]:
     return {"model": spec.name, "model_args": spec.args, "num_layers": len(spec.layers), "seed": args.seed,
             "shuffle": not args.no_shuffle, "samples_per_step": plan.microbatches * args.microbatch_size,
             "microbatches": plan.microbatches, "microbatch_size": args.microbatch_size,
-            "schedule": plan.schedule, "optimizer": args.optimizer, "dtype": args.dtype}
+            "schedule": plan.schedule, "virtual_stages": plan.virtual_stages, "optimizer": args.optimizer,
+            "dtype": args.dtype}

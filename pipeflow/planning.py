@@ -21,9 +21,6 @@ def make_plan(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, mp
     """The plan from --plan; an even or explicit split (--layers-per-stage); otherwise rank 0 profiles
     the layers and runs the planner for this many workers, and every rank gets its plan."""
     plan = _make_plan(args, spec, world_size, rank, mpi)
-    if plan.virtual_stages > 1 and (args.checkpoint_dir or args.resume):
-        raise UsageError("--checkpoint-dir and --resume write and read one file per rank group's stage, not the "
-                         f"{plan.virtual_stages} chunks each rank holds under this plan: run without them")
     kind = schedule_kind(plan.schedule)
     if kind.chunk_order is not None:  # checked here, before any process group: one line, exit 2
         why = kind.violation(plan.microbatches, plan.replicas)

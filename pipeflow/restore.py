@@ -1,6 +1,6 @@
 """Reading checkpoints back (checkpoint.py writes them): the complete steps of a directory, the files of a
 step verified against its COMPLETE marker (size and sha256), a stage's weights, optimizer state and RNG loaded
-per layer under any plan."""
+per layer under any plan (one chunk per rank or several, interleaved)."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,10 @@ from pipeflow.checkpoint import (
     MARKER,
     MUST_MATCH,
     CheckpointError,
+    _layer,
     _param_names,
+    chunk_layers,
+    chunks,
     file_sha256,
 )
 
@@ -173,18 +176,24 @@ def check_run(marker: dict[str, Any], d: Path, run_info: dict[str, Any]) -> None
 
 
 def load(engine: Any, d: Path, run_info: dict[str, Any], marker: dict[str, Any] | None = None) -> int:
-    """Load this rank's layers from step directory `d` into the engine; returns the step to go on from."""
+    """Load this rank's layers (every chunk it holds) from step directory `d` into the engine; returns the
+    step to go on from. The files are read per layer, so they may come from any plan, interleaved or not."""
     marker = marker or read_marker(d)
     check_run(marker, d, run_info)
-    a, b = engine.stage.start, engine.stage.start + len(engine.stage.module)
+    mine = chunks(engine)
+    spans = [chunk_layers(c) for c in mine.values()]
+
+    def here(layer: int) -> bool:
+        return any(a <= layer < b for a, b in spans)
+
     weights: dict[str, torch.Tensor] = {}
     states: dict[str, dict[str, Any]] = {}
     opt_classes: set[str] = set()
-    same_stage: dict[str, Any] | None = None
+    same: dict[tuple[int, int], dict[str, Any]] = {}  # the files with exactly a chunk's layers
     files = []
     for st in marker["stages"]:
         lo, hi = st["layers"]
-        if hi <= a or lo >= b:
+        if not any(lo < b and a < hi for a, b in spans):
             continue
         path = d / st["file"]
         obj = load_stage_file(path)
@@ -192,43 +201,41 @@ def load(engine: Any, d: Path, run_info: dict[str, Any], marker: dict[str, Any] 
             raise CheckpointError(f"{path}: holds step {obj['step']} layers {obj['layers']}, but {d / MARKER} "
                                   f"expects step {marker['step']} layers {[lo, hi]}: files of different checkpoints")
         files.append(path.name)
-        weights.update({k: v for k, v in obj["weights"].items() if a <= _layer(k) < b})
-        states.update({k: v for k, v in obj["optimizer"]["state"].items() if a <= _layer(k) < b})
+        weights.update({k: v for k, v in obj["weights"].items() if here(_layer(k))})
+        states.update({k: v for k, v in obj["optimizer"]["state"].items() if here(_layer(k))})
         opt_classes.add(obj["optimizer"]["class"])
-        if [lo, hi] == [a, b]:
-            same_stage = obj
+        if (lo, hi) in spans:
+            same[(lo, hi)] = obj
     where = f"{d} ({', '.join(files) or 'no file'})"
     want = engine.state_dict()
     missing = [k for k in want if k not in weights]
     extra = [k for k in weights if k not in want]
     if missing or extra:
-        raise CheckpointError(f"{where}: parameters do not match layers [{a}, {b}) of this model: "
+        layers = ", ".join(f"[{a}, {b})" for a, b in spans)
+        raise CheckpointError(f"{where}: parameters do not match layers {layers} of this model: "
                               f"missing {missing[:5]}, unexpected {extra[:5]}")
     bad = [f"{k} {tuple(weights[k].shape)} vs {tuple(v.shape)}" for k, v in want.items()
            if weights[k].shape != v.shape]
     if bad:
         raise CheckpointError(f"{where}: shapes differ from this model's: {bad[:5]}")
-    mine = type(engine.optimizer).__name__
-    if opt_classes - {mine}:
-        raise CheckpointError(f"{where}: written with optimizer {sorted(opt_classes)}, this run uses {mine}; "
+    optimizer = type(engine.optimizer).__name__
+    if opt_classes - {optimizer}:
+        raise CheckpointError(f"{where}: written with optimizer {sorted(opt_classes)}, this run uses {optimizer}; "
                               "resume with the same --optimizer")
-    start = engine.stage.start
-    engine.stage.module.load_state_dict({f"{int(k.partition('.')[0]) - start}.{k.partition('.')[2]}": v
-                                         for k, v in weights.items()})
+    for chunk in mine.values():
+        a, b = chunk_layers(chunk)
+        chunk.module.load_state_dict({f"{_layer(k) - a}.{k.partition('.')[2]}": v
+                                      for k, v in weights.items() if a <= _layer(k) < b})
     _load_optimizer(engine, states)
-    if same_stage is not None:
-        torch.set_rng_state(same_stage["rng"]["torch"])
-        if "cuda" in same_stage["rng"] and engine.world.device.type == "cuda":
-            torch.cuda.set_rng_state(same_stage["rng"]["cuda"], engine.world.device)
+    if len(same) == len(spans):  # every chunk as it was saved: the RNG in the file of the first one
+        rng = same[chunk_layers(mine[min(mine)])]["rng"]
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and engine.world.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], engine.world.device)
     else:
         log.info("stage %d: the checkpoint splits the layers differently; RNG state starts "
                  "fresh (weights and optimizer state are restored per layer)", engine.s)
     return int(marker["step"])
-
-
-def _layer(key: str) -> int:
-    head = key.partition(".")[0]
-    return int(head) if head.isdigit() else -1
 
 
 def _load_optimizer(engine: Any, states: dict[str, dict[str, Any]]) -> None:
