@@ -173,7 +173,7 @@ class Bench:
     def profile(self, cfg: dict[str, object], mb: int, tag: str) -> Path | None:
         path = self.work / f"profile-{tag}-{mb}.json"
         if not path.exists():
-            rc, out = self.sh(["pipeflow-profile", "--model", "gpt", "--model-args", json.dumps(cfg),
+            rc, out = self.sh([sys.executable, "-m", "partitioner.profiler", "--model", "gpt", "--model-args", json.dumps(cfg),
                                "--microbatch-size", str(mb), "--device", self.device, "--dtype", self.dtype,
                                "-o", str(path)], self.work / f"profile-{tag}-{mb}.log")
             if rc != 0:
@@ -191,7 +191,7 @@ class Bench:
 
             common[:0] = ["--memory-per-worker", str(torch.cuda.get_device_properties(0).total_memory)]
         if split == "plan":
-            cmd = ["pipeflow-plan", "--workers", str(self.n), "--schedule", schedule, "--microbatches", str(m),
+            cmd = [sys.executable, "-m", "partitioner.cli", "--workers", str(self.n), "--schedule", schedule, "--microbatches", str(m),
                    *common]
         else:
             counts = [int(c) for c in split.split(",")]
@@ -201,7 +201,7 @@ class Bench:
                                 for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]}
             src = self.work / f"given-{tag}.json"
             src.write_text(json.dumps(given))
-            cmd = ["pipeflow-plan", "--evaluate", str(src), *common]
+            cmd = [sys.executable, "-m", "partitioner.cli", "--evaluate", str(src), *common]
         rc, out = self.sh(cmd, self.work / f"plan-{tag}.log")
         if rc != 0:
             return None, out.strip().splitlines()[-1] if out.strip() else f"rc {rc}"
