@@ -72,11 +72,14 @@ class StepGuard:
             one = self._ones.get((gdev, dtype))
             if one is None:
                 one = self._ones[(gdev, dtype)] = torch.ones((), dtype=torch.float32, device=gdev)
-            if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            if dtype in (torch.float16, torch.float32, torch.float64):
                 hit = found if gdev == dev else torch.zeros((), dtype=torch.float32, device=gdev)
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, hit, one)  # x * 1 == x: grads unchanged
                 if hit is not found:
                     found = torch.maximum(found, hit.to(dev))
+            elif dtype.is_floating_point:  # bfloat16 (AMP's check has no CUDA kernel for it): max-norms, NaN kept
+                bad = ~torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all()
+                found = torch.maximum(found, bad.float().to(dev))
             else:  # other dtypes (complex): the per-tensor check
                 bad = ~torch.stack([g.isfinite().all() for g in grads]).all()
                 found = torch.maximum(found, bad.float().to(dev))

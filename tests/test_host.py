@@ -105,6 +105,13 @@ def test_multi_tensor_check_finds_one_bad_value_among_many_and_leaves_gradients_
     assert all(torch.equal(w.grad, b) for w, b in zip(ws, before))
     ws[1].grad[4] = float("-inf")
     assert guard._local_check() == (True, False)
+    # bfloat16 (the GPU benchmark's dtype; AMP's check has no CUDA kernel for it): a NaN is found too
+    ws[1].grad[4] = 0.0
+    ws.append(torch.nn.Parameter(torch.randn(6, dtype=torch.bfloat16)))
+    ws[-1].grad = torch.randn_like(ws[-1])
+    assert guard._local_check() == (False, False)
+    ws[-1].grad[2] = float("nan")
+    assert guard._local_check() == (True, False)
 
 
 def test_staged_microbatches_equal_the_per_microbatch_path_and_read_the_dataset_once_per_step():
