@@ -134,12 +134,13 @@ def validate(sched: Schedule) -> None:
         held = sched.chunks_of(w)
         seen: dict[tuple[Kind, int, int], int] = {}
         names: dict[int, int | None] = {}  # model stage -> the stage field its actions carry
+        no_w: set[tuple[int, int]] = set()  # (microbatch, stage) of each B whose W has not run (split backward)
         for idx, a in enumerate(acts):
             if a.kind is Kind.STEP:
                 steps[w] += 1
-                late = sorted((i, k) for kind, k, i in seen if kind is Kind.B and (Kind.W, k, i) not in seen)
-                if split and late:
-                    missing = _label(Kind.W, names.get(late[0][1]), late[0][0])
+                if split and no_w:
+                    i0, k0 = min(no_w)
+                    missing = _label(Kind.W, names.get(k0), i0)
                     raise _fail(sched, f"worker {w} runs STEP before {missing}: a weight gradient must be "
                                        "accumulated before the step that uses it", {w: idx})
                 continue
@@ -159,6 +160,10 @@ def validate(sched: Schedule) -> None:
             if (a.kind, k, i) in seen:
                 raise _fail(sched, f"worker {w} runs {a} twice (steps {seen[(a.kind, k, i)]} and {idx})", {w: idx})
             seen[(a.kind, k, i)] = idx
+            if split and a.kind is Kind.B:
+                no_w.add((i, k))
+            elif a.kind is Kind.W:
+                no_w.discard((i, k))
             if a.kind is Kind.B and (Kind.F, k, i) not in seen:
                 raise _fail(sched, f"worker {w} runs {a} before {_label(Kind.F, a.stage, i)}", {w: idx})
             if a.kind is Kind.W and (Kind.B, k, i) not in seen:
