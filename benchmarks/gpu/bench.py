@@ -173,7 +173,8 @@ class Bench:
     def profile(self, cfg: dict[str, object], mb: int, tag: str) -> Path | None:
         path = self.work / f"profile-{tag}-{mb}.json"
         if not path.exists():
-            rc, out = self.sh([sys.executable, "-m", "partitioner.profiler", "--model", "gpt", "--model-args", json.dumps(cfg),
+            rc, out = self.sh([sys.executable, "-m", "partitioner.profiler", "--model", "gpt", "--model-args",
+                               json.dumps(cfg),
                                "--microbatch-size", str(mb), "--device", self.device, "--dtype", self.dtype,
                                "-o", str(path)], self.work / f"profile-{tag}-{mb}.log")
             if rc != 0:
@@ -186,13 +187,14 @@ class Bench:
         topo = self.a.topology or f"{self.n}x300GB/s"
         out_path = self.work / f"plan-{tag}.json"
         common = ["--topology", topo, "--optimizer", "adam", "-o", str(out_path), str(prof)]
-        if not self.a.cpu:  # the card's memory: a plan for the large model must not replicate what cannot fit
+        if not self.a.cpu and split == "plan":  # the card's memory: a plan must not replicate what cannot fit
+            # (planning only: --evaluate prices a given split as written and refuses search flags)
             import torch
 
             common[:0] = ["--memory-per-worker", str(torch.cuda.get_device_properties(0).total_memory)]
         if split == "plan":
-            cmd = [sys.executable, "-m", "partitioner.cli", "--workers", str(self.n), "--schedule", schedule, "--microbatches", str(m),
-                   *common]
+            cmd = [sys.executable, "-m", "partitioner.cli", "--workers", str(self.n), "--schedule", schedule,
+                   "--microbatches", str(m), *common]
         else:
             counts = [int(c) for c in split.split(",")]
             bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
