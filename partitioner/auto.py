@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from partitioner.inputs import resolve_topology
 from partitioner.planner import PlanningError
 from partitioner.profile import Profile
-from partitioner.service import Planned, _topology, plan_detailed
+from partitioner.service import Planned, plan_detailed
 from partitioner.topology import Topology, format_bytes
 from pipeflow.kinds import TABLE, ScheduleKind
 
@@ -94,7 +95,7 @@ def plan_auto(profile: Profile, workers: int, *, microbatches: int | str = "auto
               straight: bool = False, optimizer: str = "adam", keep_timeline: bool = False
               ) -> tuple[Planned, list[Candidate]]:
     """The plan of the best flush schedule and every candidate tried; PlanningError when none has a plan."""
-    topo = _topology(workers, topology, profile)  # a bad topology is no schedule's fault: refuse it once
+    topo = resolve_topology(workers, topology, profile)  # a bad topology is no schedule's fault: refuse it once
     tried = candidates()
     for c in tried:
         try:

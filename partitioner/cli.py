@@ -16,15 +16,11 @@ from collections.abc import Sequence
 
 from partitioner.auto import AUTO, candidates_table, plan_schedule
 from partitioner.batch import global_batch_table, plan_global_batch
+from partitioner.inputs import check_microbatches, resolve_topology
 from partitioner.plan import Plan, PlanError
 from partitioner.planner import OPTIMIZER_STATES, SCHEDULES, PlanningError
 from partitioner.profile import Profile, ProfileError
-from partitioner.service import (
-    Planned,
-    _check_microbatches,
-    _topology,
-    evaluate_plan,
-)
+from partitioner.service import Planned, evaluate_plan
 from partitioner.topology import TopologyError, format_bytes
 from pipeflow.kinds import schedule_kind
 
@@ -95,7 +91,7 @@ def _microbatches(text: str) -> int | str:
     if not text.isdigit() or int(text) < 1:
         raise PlanningError(f"--microbatches must be a positive integer or 'auto', found {text!r}")
     m = int(text)
-    _check_microbatches(m)
+    check_microbatches(m)
     return m
 
 
@@ -123,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.global_batch is not None and args.microbatches is not None:
                 raise PlanningError("--global-batch chooses the microbatch count; drop --microbatches")
             mb = _microbatches(args.microbatches or "auto")
-            _topology(args.workers, None)  # refuse sizes before reading anything
+            resolve_topology(args.workers, None)  # refuse sizes before reading anything
         profile = Profile.load(args.profile)
         if args.evaluate is not None:
             planned = _evaluate(args, profile)

@@ -11,9 +11,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from partitioner.inputs import MAX_MICROBATCHES, MAX_WORKERS  # noqa: F401  (re-exported: the limits)
-from partitioner.inputs import check_microbatches as _check_microbatches
-from partitioner.inputs import resolve_topology as _topology
+from partitioner.inputs import MAX_MICROBATCHES, MAX_WORKERS, check_microbatches, resolve_topology  # noqa: F401  (re-exported: the limits)
 from partitioner.plan import Plan, PlanError, StagePlan
 from partitioner.planner import (
     SCHEDULES,
@@ -169,9 +167,9 @@ def plan_detailed(profile: Profile, workers: int, *, schedule: str = "1f1b", mic
                   topology: Topology | str | None = None, memory_per_worker: int | str | None = None,
                   straight: bool = False, optimizer: str = "adam", keep_timeline: bool = False,
                   virtual_stages: int = 1) -> Planned:
-    topo = _topology(workers, topology, profile)
+    topo = resolve_topology(workers, topology, profile)
     if microbatches != "auto":
-        _check_microbatches(microbatches)
+        check_microbatches(microbatches)
     if isinstance(memory_per_worker, str):
         memory_per_worker = parse_bytes(memory_per_worker)
     if schedule not in SCHEDULES:
@@ -265,8 +263,8 @@ def plan_from_profile(profile: Profile, workers: int, *, schedule: str, microbat
 def evaluate_plan(profile: Profile, plan: Plan, *, topology: Topology | str | None = None,
                   optimizer: str = "adam", keep_timeline: bool = False) -> Planned:
     """Price a given plan (hand-written or from another tool) exactly as the planner prices its own."""
-    topo = _topology(plan.workers, topology, profile)
-    _check_microbatches(plan.microbatches)
+    topo = resolve_topology(plan.workers, topology, profile)
+    check_microbatches(plan.microbatches)
     plan.validate(num_layers=len(profile.layers))
     why = schedule_rule(plan.schedule, plan.microbatches, plan.replicas)
     if why:
