@@ -39,13 +39,7 @@ class Block(nn.Module):
         self.out = nn.Linear(4 * d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
-        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+        return feed_forward(self, attend(self, x))
 
 
 class Attention(nn.Module):
@@ -63,12 +57,7 @@ class Attention(nn.Module):
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        return attend(self, x)
 
 
 class MLP(nn.Module):
@@ -82,7 +71,21 @@ class MLP(nn.Module):
         self.out = nn.Linear(4 * d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+        return feed_forward(self, x)
+
+
+def attend(m: Block | Attention, x: torch.Tensor) -> torch.Tensor:
+    """x + causal self-attention(ln1(x)) with `m`'s weights: the first half of a Block, or an Attention layer."""
+    b, t, d = x.shape
+    q, k, v = m.qkv(m.ln1(x)).split(d, dim=2)
+    q, k, v = (z.view(b, t, m.heads, d // m.heads).transpose(1, 2) for z in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=m.dropout if m.training else 0.0)
+    return x + m.drop(m.proj(y.transpose(1, 2).reshape(b, t, d)))
+
+
+def feed_forward(m: Block | MLP, x: torch.Tensor) -> torch.Tensor:
+    """x + mlp(ln2(x)) with `m`'s weights: the second half of a Block, or an MLP layer."""
+    return x + m.drop(m.out(F.gelu(m.fc(m.ln2(x)))))
 
 
 class Head(nn.Module):
