@@ -22,7 +22,7 @@ from partitioner.planner import OPTIMIZER_STATES, SCHEDULES, PlanningError
 from partitioner.profile import Profile, ProfileError
 from partitioner.service import Planned, evaluate_plan
 from partitioner.topology import TopologyError, format_bytes
-from pipeflow.kinds import schedule_kind
+from pipeflow.kinds import DEFAULT_VIRTUAL_STAGES, schedule_kind
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -74,8 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=None,
                    help="samples per step G: choose the microbatch size b (among the profile's sizes) and m = G / b")
     p.add_argument("--straight", action="store_true", help="no replicated stages")
-    p.add_argument("--virtual-stages", type=int, default=2, metavar="V",
-                   help="--schedule interleaved: model chunks per rank, placed round-robin (default 2); "
+    p.add_argument("--virtual-stages", type=int, default=DEFAULT_VIRTUAL_STAGES, metavar="V",
+                   help="--schedule interleaved: model chunks per rank, placed round-robin (default "
+                        f"{DEFAULT_VIRTUAL_STAGES}); "
                         "--microbatches must be a multiple of --workers")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES), default="adam")
     p.add_argument("--evaluate", metavar="PLAN", default=None,

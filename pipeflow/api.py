@@ -183,10 +183,9 @@ def _resolve_plan(plan: Plan | str | None, num_layers: int, world_size: int, sch
     """The plan given (loaded from its path), with `schedule` and `microbatches` overriding its own; or an
     even split over one stage per rank. Checked against the layers and the world (PlanError in one line)."""
     if plan is None:
-        name = schedule or "1f1b"  # chunks round-robin (interleaved): two per rank
-        chunked = any(k.name == name and k.chunk_order is not None for k in TABLE)
-        return even_plan(num_layers, world_size, schedule=name, microbatches=microbatches or 8,
-                         virtual_stages=2 if chunked else 1)
+        name = schedule or "1f1b"  # an unknown name is refused by the plan's own check, as for a given plan
+        v = next((k.default_virtual_stages for k in TABLE if k.name == name), 1)
+        return even_plan(num_layers, world_size, schedule=name, microbatches=microbatches or 8, virtual_stages=v)
     if isinstance(plan, str):
         plan = Plan.load(plan)
     elif isinstance(plan, Plan):  # a copy: the overrides below must not change the caller's

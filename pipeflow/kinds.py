@@ -23,6 +23,7 @@ from pipeflow.interleave import interleave_round, interleaved_order  # noqa: F40
 from pipeflow.warmup import fill_warmup, warmup_forwards  # noqa: F401  (fill_warmup: re-exported)
 from pipeflow.zerobubble import zero_bubble_order
 
+DEFAULT_VIRTUAL_STAGES = 2  # model chunks per rank when a round-robin schedule is not told how many
 N = TypeVar("N")  # a count, or a numpy array of counts (the planner's vectorised DP)
 
 
@@ -77,6 +78,11 @@ class ScheduleKind:
     # The parameter sets `--schedule auto` plans this record with (keyword arguments of the planning service)
     variants: tuple[tuple[tuple[str, int], ...], ...] = ((),)
     split_backward: bool = False  # B computes input gradients only, W the weight gradients (split.py)
+
+    @property
+    def default_virtual_stages(self) -> int:
+        """Chunks per rank without --virtual-stages: DEFAULT_VIRTUAL_STAGES where chunks go round-robin, else 1."""
+        return DEFAULT_VIRTUAL_STAGES if self.chunk_order is not None else 1
 
     @property
     def rule(self) -> str:
@@ -239,7 +245,7 @@ TABLE: tuple[ScheduleKind, ...] = (
                  weights=Weights.LIVE, in_flight=InFlight.INTERLEAVED, warmup_applies=False, ties_allowed=True,
                  agree_every_step=True, replicas_divide_m=False, replicas_at_most_m=False,
                  m_at_least_stages_minus_1=False, chunk_order=interleaved_order, m_multiple_of_stages=True,
-                 variants=((('virtual_stages', 2),),)),
+                 variants=((('virtual_stages', DEFAULT_VIRTUAL_STAGES),),)),
     _flushed("zb", _zero_bubble(False), InFlight.PIPELINE, warmup_applies=False, split_backward=True),
     _flushed("zb-h2", _zero_bubble(True), InFlight.TWICE_PIPELINE, warmup_applies=False, split_backward=True),
 )

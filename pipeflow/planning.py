@@ -39,7 +39,7 @@ def virtual_stages(args: TrainConfig, schedule: str | None = None) -> int:
         names = ", ".join(k.name for k in TABLE if k.chunk_order is not None)
         raise UsageError(f"--virtual-stages {v} needs a schedule that places chunks round-robin ({names}), "
                          f"found --schedule {kind.name}")
-    return v if v is not None else (2 if kind.chunk_order is not None else 1)
+    return v if v is not None else kind.default_virtual_stages
 
 
 def _make_plan(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, mpi: Any) -> Plan:
