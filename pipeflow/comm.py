@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 from pipeflow.bufpool import BufferPool
 from pipeflow.control import META_TAG  # the shape/dtype messages; MPI keeps one (source, tag)'s in order
+from pipeflow.cudaenv import eager_cuda_modules
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ def init_world(*, device: str = "auto", timeout_s: float = 300.0) -> World:
     """
     from mpi4py import MPI
 
+    warning = eager_cuda_modules()
+
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
@@ -58,6 +61,8 @@ def init_world(*, device: str = "auto", timeout_s: float = 300.0) -> World:
         if local_rank >= torch.cuda.device_count():
             raise RuntimeError(f"{local_size} ranks on this host but only {torch.cuda.device_count()} GPUs: "
                                "NCCL needs one GPU per rank (use fewer ranks per host, or --device cpu)")
+        if warning is not None and size > 1:
+            log.warning("%s", warning)
         torch.cuda.set_device(local_rank)
         dev, backend = torch.device("cuda", local_rank), "nccl"
     elif device == "cpu":
