@@ -73,6 +73,10 @@ BATCH_STARTUP_S = 120.0  # what a batch's mpirun may take beyond its cases' time
 def mpi_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PIPEFLOW_LOG="WARNING")
+    # MPICH waits for a message by polling, and the ranks (THREAD_MULTIPLE: the heartbeat thread) call
+    # sched_yield between polls: with more ranks than the 2 cores of a small machine that spinning took half
+    # the CPU (perf: sys time). Heavy yield sleeps (nanosleep) instead, so the rank with work gets the core.
+    env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
     return env
 
 
