@@ -4,11 +4,13 @@ own, and `write_plan`.
 Batched distributed tests
 -------------------------
 Starting `mpirun -np N python -m pipeflow.train` costs ~11 s (python, torch, mpi4py, and ~3.5 s of
-torch._dynamo, which torch.optim imports at the first optimizer step) for well under a second of training
+torch._dynamo, which torch.optim imports with the first optimizer) for well under a second of training
 in a test. So a distributed test declares its run as a *case* and asserts on the case's outputs; the
 cases of all selected tests (`-k` selects fewer) go to one `mpirun -np N python -m tests.mpi_batch
 cases.json` per -np, which runs them one after the other in the same processes (tests/mpi_batch.py;
-mpi4py's own suite runs one file under N processes the same way). To write one:
+mpi4py's own suite runs one file under N processes the same way). The batches run in a background thread
+from the first test on, while the other tests run; the batched tests come last and read their outputs.
+To write one:
 
     def case(d: Path, schedule: str) -> Case:           # d: the case's own directory
         return Case(2, ["--model", "mlp", "--schedule", schedule, "--save", str(d / "model.pt")])
@@ -23,7 +25,7 @@ returning `Case(np, args, env=..., timeout=...)`, with paths under the builder's
 the test takes `mpi` and reads its files from `mpi.dir` and the output from `mpi.proc.stderr`.
 
 - The builder gets the directory and those of the test's parameters that its signature names; it runs
-  when the first batched test is set up (for every selected test at once), so it may write input files
+  when the first test is set up (for every selected batched test at once), so it may write input files
   (plans) into the directory.
 - It may return a list of cases: they run in that order (later ones may read what earlier ones wrote,
   e.g. a checkpoint to resume; -np may differ between them), and `mpi.procs` holds one result each.
@@ -55,8 +57,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +76,10 @@ BATCH_STARTUP_S = 120.0  # what a batch's mpirun may take beyond its cases' time
 def mpi_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PIPEFLOW_LOG="WARNING")
+    # MPICH waits for a message by polling, and the ranks (THREAD_MULTIPLE: the heartbeat thread) call
+    # sched_yield between polls: with more ranks than the 2 cores of a small machine that spinning took half
+    # the CPU (perf: sys time). Heavy yield sleeps (nanosleep) instead, so the rank with work gets the core.
+    env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
     return env
 
 
@@ -192,18 +199,24 @@ def _key(build: Builder, params: dict[str, Any]) -> str:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """pytest-timeout covers fixtures too: the first test of a batch waits for the whole batch."""
+    """Batched tests go last (in their order), so that the other tests run while the batches do (`Batches`
+    starts them in the background before the first test). pytest-timeout covers fixtures too: the first
+    test of a batch waits for the whole batch."""
     for item in items:
         if _builder(item) is not None and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(1800))
+    items[:] = [i for i in items if _builder(i) is None] + [i for i in items if _builder(i) is not None]
 
 
 class Batches:
-    """The selected tests' cases, grouped by -np, run on demand (all groups a test's cases need, and the
-    groups those must follow)."""
+    """The selected tests' cases, grouped by -np: `start()` runs the groups one after the other in a
+    background thread while the other tests run (their mpiruns sleep while they wait, so the two share the
+    cores); `result` waits for the groups a test's cases need. With PIPEFLOW_TEST_NO_BATCH=1 (one launch
+    per case, for debugging) they run on demand instead."""
 
     def __init__(self, items: list[pytest.Item], root: Path) -> None:
         self.root = root
+        self.env = mpi_env()  # now, before any test changes os.environ (the thread reads no later one)
         self.dirs: dict[str, Path] = {}
         self.steps: dict[str, list[_Step]] = {}
         for item in items:
@@ -223,6 +236,40 @@ class Batches:
         self.order = self._group_order()
         self.done: set[int] = set()
         self.launches: list[tuple[int, int, float]] = []  # (-np, cases, seconds) of each mpirun
+        self.finished = {n: threading.Event() for n in self.order}
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        self.stopping = False
+        self.running: subprocess.Popen[str] | None = None  # the background thread's mpirun
+
+    def start(self) -> None:
+        """Run every group in the background (in `order`), unless one launch per case was asked for."""
+        if self.steps and os.environ.get("PIPEFLOW_TEST_NO_BATCH") != "1":
+            self.thread = threading.Thread(target=self._run_all, name="mpi-batches", daemon=True)
+            self.thread.start()
+
+    def stop(self) -> None:
+        """At the session's end (after -x, Ctrl-C or a deselected remainder): end what still runs."""
+        self.stopping = True
+        proc = self.running
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if self.thread is not None:
+            self.thread.join()
+
+    def _run_all(self) -> None:
+        try:
+            for n in self.order:
+                if self.stopping:
+                    break
+                self.done.add(n)
+                self._run_group(n)
+                self.finished[n].set()
+        except BaseException as e:  # reported by every test that waits for it
+            self.error = e
+        finally:
+            for event in self.finished.values():
+                event.set()
 
     def _group_order(self) -> list[int]:
         """The -np groups in an order that runs each test's cases in theirs (first seen first)."""
@@ -245,6 +292,11 @@ class Batches:
 
     def result(self, key: str) -> MpiRun:
         needed = {s.case.np for s in self.steps[key]}
+        if self.thread is not None:
+            for n in needed:
+                self.finished[n].wait()
+            if self.error is not None:
+                raise AssertionError(f"the batched cases did not run: {self.error!r}") from self.error
         for n in self.order:
             if not needed - self.done:
                 break
@@ -268,7 +320,7 @@ class Batches:
                 self.launches.append((n, 1, s.seconds))
             return
         attempt = 0
-        while todo:
+        while todo and not self.stopping:
             attempt += 1
             todo = self._launch(n, todo, self.root / f"np{n}-batch{attempt}.json")
 
@@ -280,8 +332,9 @@ class Batches:
         cmd = [_mpirun(), "-np", str(n), sys.executable, "-m", "tests.mpi_batch", str(path)]
         limit = BATCH_STARTUP_S + sum(s.case.timeout for s in todo)
         t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=mpi_env(),
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env,
                                 cwd=ROOT, start_new_session=True)
+        self.running = proc
         try:
             out, err = proc.communicate(timeout=limit)
             why = f"the batch exited {proc.returncode}"
@@ -330,11 +383,14 @@ def _completed(s: _Step, codes: list[int | None], extra: str = "") -> subprocess
     return subprocess.CompletedProcess(args, code, joined("out"), joined("err") + extra)
 
 
-@pytest.fixture(scope="session")
-def _mpi_batches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Batches:
+@pytest.fixture(scope="session", autouse=True)
+def _mpi_batches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Batches]:
+    """Set up before the first test: the batches start then, in the background (`Batches.start`)."""
     batches = Batches(request.session.items, tmp_path_factory.mktemp("mpi"))
     request.config.stash[BATCHES] = batches
-    return batches
+    batches.start()
+    yield batches
+    batches.stop()
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
