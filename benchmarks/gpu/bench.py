@@ -14,6 +14,10 @@ Rows (';'-separated), every one at --sequences per optimizer step (default 64):
     big SCHEDULE MB M SPLIT         the same with the large model (--big-args), the one DDP cannot run
     ... SPLIT sub                   pf/big rows: the GPT with granularity "sublayer" (attention and MLP as
                                     separate layers, so the plan may cut inside a block)
+    ... plan mem=GIB                pf/big rows: pipeflow-plan under --memory-per-worker GIB GiB (e.g. torch's
+                                    peak, for "as fast at no more memory") instead of the card's memory
+    gb SCHEDULE SIZES [sub]         pipeflow-plan --global-batch (the sequences): profiled at microbatch sizes
+                                    SIZES (2,4,8), the planner picks b, m and the split; pipeflow-train runs it
 Each row prints `RESULT ...` with tokens/s, peak GiB per rank, MFU per GPU and, where a plan gives it, the
 predicted step time; $OUT/results.md (or --out) gets the markdown table.
 """
@@ -170,31 +174,38 @@ class Bench:
                                 self.work / f"torch-{schedule}-{mb}.log")
         self.add(f"torch {schedule}", f"{mb} x {m}, layers {split}", self.n, rc, out, self.gpt)
 
-    def profile(self, cfg: dict[str, object], mb: int, tag: str) -> Path | None:
-        path = self.work / f"profile-{tag}-{mb}.json"
+    def profile(self, cfg: dict[str, object], mb: int, tag: str, sizes: str | None = None) -> Path | None:
+        """profile.json at microbatch mb, or at every size of `sizes` (one file, for --global-batch)."""
+        at = ["--microbatch-sizes", sizes] if sizes else ["--microbatch-size", str(mb)]
+        name = f"{tag}-{sizes.replace(',', '_') if sizes else mb}"
+        path = self.work / f"profile-{name}.json"
         if not path.exists():
             rc, out = self.sh([sys.executable, "-m", "partitioner.profiler", "--model", "gpt", "--model-args",
-                               json.dumps(cfg),
-                               "--microbatch-size", str(mb), "--device", self.device, "--dtype", self.dtype,
-                               "-o", str(path)], self.work / f"profile-{tag}-{mb}.log")
+                               json.dumps(cfg), *at, "--device", self.device, "--dtype", self.dtype,
+                               "-o", str(path)], self.work / f"profile-{name}.log")
             if rc != 0:
                 print(f"  pipeflow-profile failed (rc {rc}): {out.strip().splitlines()[-1:]}", flush=True)
                 return None
         return path
 
-    def plan(self, prof: Path, schedule: str, m: int, split: str, tag: str) -> tuple[Path | None, str]:
-        """plan.json: pipeflow-plan's (split "plan"), or the given split priced by pipeflow-plan --evaluate."""
+    def plan(self, prof: Path, schedule: str, m: int, split: str, tag: str, mem_gib: float | None = None,
+             global_batch: bool = False) -> tuple[Path | None, str]:
+        """plan.json: pipeflow-plan's (split "plan": under `mem_gib` GiB per worker if given, else the card's
+        memory; with `global_batch`, b and m chosen for the sequences), or a given split priced by --evaluate."""
         topo = self.a.topology or f"{self.n}x300GB/s"
         out_path = self.work / f"plan-{tag}.json"
         common = ["--topology", topo, "--optimizer", "adam", "-o", str(out_path), str(prof)]
-        if not self.a.cpu and split == "plan":  # the card's memory: a plan must not replicate what cannot fit
+        if split == "plan" and mem_gib is not None:
+            common[:0] = ["--memory-per-worker", str(int(mem_gib * 2**30))]
+        elif not self.a.cpu and split == "plan":  # the card's memory: a plan must not replicate what cannot fit
             # (planning only: --evaluate prices a given split as written and refuses search flags)
             import torch
 
             common[:0] = ["--memory-per-worker", str(torch.cuda.get_device_properties(0).total_memory)]
         if split == "plan":
+            shape = ["--global-batch", str(self.a.sequences)] if global_batch else ["--microbatches", str(m)]
             cmd = [sys.executable, "-m", "partitioner.cli", "--workers", str(self.n), "--schedule", schedule,
-                   "--microbatches", str(m), *common]
+                   *shape, *common]
         else:
             counts = [int(c) for c in split.split(",")]
             bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
@@ -211,29 +222,40 @@ class Bench:
         return out_path, ",".join(f"{st['layers'][1] - st['layers'][0]}" + (f"(x{st['replicas']})" if
                                   st["replicas"] > 1 else "") for st in plan["stages"])
 
-    def pf(self, schedule: str, mb: int, m: int, split: str, big: bool = False, sub: bool = False) -> None:
+    def pf(self, schedule: str, mb: int, m: int, split: str, big: bool = False, sub: bool = False,
+           mem_gib: float | None = None, sizes: str | None = None) -> None:
+        """A pipeflow-train row. With `sizes` (a gb row) the profile holds those microbatch sizes and
+        pipeflow-plan --global-batch picks b, m and the split; mb and m are then what it picked."""
         cfg = self.big if big else self.gpt
         if sub:
             cfg = {**cfg, "granularity": "sublayer"}
-        tag = f"{'big-' if big else ''}{'sub-' if sub else ''}{schedule}-{mb}x{m}-{split.replace(',', '_')}"
+        shape = f"gb{sizes.replace(',', '_')}" if sizes else f"{mb}x{m}"
+        tag = (f"{'big-' if big else ''}{'sub-' if sub else ''}{schedule}-{shape}-{split.replace(',', '_')}"
+               + (f"-mem{mem_gib:g}" if mem_gib is not None else ""))
         name = f"pipeflow {schedule}" + (" (large model)" if big else "") + (", sublayers" if sub else "")
+        flags = ["--schedule", schedule]
+        predicted, shown = None, split
+        if split != "spot":
+            kind = ("big" if big else "gpt") + ("-sub" if sub else "")
+            prof = self.profile(cfg, mb, kind, sizes=sizes)
+            path, shown = (self.plan(prof, schedule, m, split, tag, mem_gib=mem_gib, global_batch=sizes is not None)
+                           if prof else (None, "no profile"))
+            if path is None:
+                if split == "plan":
+                    self.add(name, f"{shape}, plan: {shown}", self.n, 1, shown, cfg)
+                    return
+                flags += ["--layers-per-stage", split]
+                shown = split
+            else:
+                flags += ["--plan", str(path)]
+                plan = json.loads(path.read_text())
+                predicted = plan.get("predicted", {}).get("step_ms")
+                if sizes:  # the planner's pick
+                    mb, m = int(plan["planner"]["microbatch_size"]), int(plan["microbatches"])
         cmd = ["mpirun", "-np", str(self.n), sys.executable, "-m", "pipeflow.train", "--model", "gpt", "--model-args",
                json.dumps(cfg), "--device", self.device, "--dtype", self.dtype, "--optimizer", "adam", "--lr", "1e-4",
                "--steps", str(self.a.steps), "--log-every", str(max(1, self.a.steps // 3)),
-               "--microbatch-size", str(mb), "--microbatches", str(m), "--schedule", schedule]
-        predicted, shown = None, split
-        if split != "spot":
-            prof = self.profile(cfg, mb, ("big" if big else "gpt") + ("-sub" if sub else ""))
-            path, shown = self.plan(prof, schedule, m, split, tag) if prof else (None, "no profile")
-            if path is None:
-                if split == "plan":
-                    self.add(name, f"{mb} x {m}, plan: {shown}", self.n, 1, shown, cfg)
-                    return
-                cmd += ["--layers-per-stage", split]
-                shown = split
-            else:
-                cmd += ["--plan", str(path)]
-                predicted = json.loads(path.read_text()).get("predicted", {}).get("step_ms")
+               "--microbatch-size", str(mb), "--microbatches", str(m), *flags]
         if self.peak:
             cmd += ["--peak-tflops", str(self.peak)]
         rc, out = self.sh(cmd, self.work / f"pf-{tag}.log")
@@ -243,7 +265,10 @@ class Bench:
         peaks = re.search(r"peak GPU memory per rank \(GiB\): \[([^\]]*)\]", out)
         peak = "/".join(x.strip() for x in peaks.group(1).split(",")) if peaks else "-"
         note = "" if mb * m == self.a.sequences else f" ({mb * m} sequences per step)"
-        self.add(name, f"{mb} x {m}, {split}" + (f" {shown}" if shown != split else "") + note, self.n, rc, out, cfg,
+        how = (f"{mb} x {m} (planner's pick of {sizes})" if sizes else f"{mb} x {m}") + f", {split}"
+        if mem_gib is not None:
+            how += f" under {mem_gib:g} GiB"
+        self.add(name, how + (f" {shown}" if shown != split else "") + note, self.n, rc, out, cfg,
                  predicted=predicted, peak=peak, sequences=mb * m)
 
     def run(self, rows: str) -> None:
@@ -258,9 +283,18 @@ class Bench:
                 elif w[0] == "torch":
                     self.torch(w[1], int(w[2]), w[3] if len(w) > 3 else None)
                 elif w[0] in ("pf", "big"):
-                    if len(w) > 5 and w[5] != "sub":
-                        raise ValueError(f"the 6th word of a {w[0]} row can only be 'sub', found {w[5]!r}")
-                    self.pf(w[1], int(w[2]), int(w[3]), w[4], big=w[0] == "big", sub=len(w) > 5)
+                    extra = w[5:]
+                    mem = [float(x[4:]) for x in extra if x.startswith("mem=")]
+                    bad = [x for x in extra if x != "sub" and not x.startswith("mem=")]
+                    if bad or (mem and w[4] != "plan"):
+                        raise ValueError(f"after the split a {w[0]} row takes 'sub' and, with 'plan', 'mem=GIB'; "
+                                         f"found {' '.join(extra)!r}")
+                    self.pf(w[1], int(w[2]), int(w[3]), w[4], big=w[0] == "big", sub="sub" in extra,
+                            mem_gib=mem[0] if mem else None)
+                elif w[0] == "gb":
+                    if len(w) not in (3, 4) or (len(w) == 4 and w[3] != "sub"):
+                        raise ValueError("a gb row is 'gb SCHEDULE SIZES [sub]', e.g. 'gb 1f1b 2,4,8'")
+                    self.pf(w[1], 0, 0, "plan", sub=len(w) == 4, sizes=w[2])
                 else:
                     raise ValueError(f"unknown row kind {w[0]!r}")
             except (IndexError, ValueError) as e:
