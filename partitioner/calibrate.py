@@ -1,0 +1,102 @@
+"""`python -m partitioner.calibrate`: the runtime's own costs on this machine, read from a traced run (issue 13).
+
+A profile times the layers alone; a rank under mpirun also spends time of its own on every action: Python
+dispatch of the engine and the stage (posting receives, reading the microbatch, seeding the layers,
+hooks), the layers running slower in a stage than alone (caches), and the send of every activation and
+gradient (on CPU, gloo's send writes the socket from the calling thread and waits while the receiver's
+I/O thread is not scheduled). With small layers that is half of the step (benchmarks/planner/README.md,
+"Accuracy"). Both are read from the Chrome trace of `pipeflow-train --trace` on the plan of the profile:
+
+    message_ms = median duration of the SEND_F / SEND_B spans (the sender's time per message)
+    action_ms  = median over ranks and steps of (own - n * profiled) / (2 n)
+
+where a rank's `own` time in a step is its F, B and W spans plus the gaps between its spans (dispatch),
+its WAIT, SEND and STEP spans excluded, n its forwards in the step, and `profiled` its stage's forward +
+backward per microbatch from the profile (as the planner counts them for the plan's schedule). The first
+`--skip` steps (warm-up) are left out. The two numbers go into profile.json (`action_ms`, `message_ms`),
+where the planner adds them to every stage (costmodel.LayerCosts.stage_overhead_ms): they are properties
+of the machine and the runtime, so one calibration run serves the other models planned on that machine.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from typing import Any
+
+from partitioner.jsonfile import read_json
+from partitioner.plan import Plan, PlanError
+from partitioner.profile import Profile, ProfileError
+from partitioner.service import layer_costs
+
+OWN = ("F", "B", "W")
+SENDS = ("SEND_F", "SEND_B")
+
+
+def _spans(trace: Any) -> dict[int, dict[int, list[tuple[str, float, float]]]]:
+    """rank -> step -> [(kind, start ms, end ms)] in time order, from the trace's complete events."""
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+        raise ProfileError("the trace must be a Chrome trace object with traceEvents (pipeflow-train --trace)")
+    out: dict[int, dict[int, list[tuple[str, float, float]]]] = defaultdict(lambda: defaultdict(list))
+    for e in trace["traceEvents"]:
+        if isinstance(e, dict) and e.get("ph") == "X" and "step" in e.get("args", {}):
+            kind = str(e["name"]).rstrip("0123456789")
+            start = float(e["ts"]) / 1e3
+            out[int(e["tid"])][int(e["args"]["step"])].append((kind, start, start + float(e["dur"]) / 1e3))
+    for steps in out.values():
+        for spans in steps.values():
+            spans.sort(key=lambda s: s[1])
+    return out
+
+
+def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2) -> tuple[float, float]:
+    """(action_ms, message_ms) of the traced run of `plan` (module docstring)."""
+    lay = layer_costs(profile, plan.schedule, "adam")
+    L = len(lay)
+    per_action: list[float] = []
+    sends: list[float] = []
+    for rank, steps in _spans(trace).items():
+        a, b = plan.stages[plan.stage_of_rank(rank)[0]].layers
+        profiled = float(lay.forward_ms[a:b].sum() + lay.backward_ms[a:b].sum()) + (lay.loss_ms if b == L else 0.0)
+        for step, spans in steps.items():
+            if step < skip:
+                continue
+            n = sum(kind == "F" for kind, _, _ in spans)
+            own = sum(end - start for kind, start, end in spans if kind in OWN)
+            own += sum(max(0.0, nxt[1] - prev[2]) for prev, nxt in zip(spans, spans[1:]))
+            sends += [end - start for kind, start, end in spans if kind in SENDS]
+            if n:
+                per_action.append((own - n * profiled) / (2 * n))
+    if not per_action:
+        raise ProfileError(f"the trace holds no forward after step {skip}: run pipeflow-train --trace for more "
+                           "steps on this plan")
+    return max(0.0, statistics.median(per_action)), statistics.median(sends) if sends else 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m partitioner.calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("profile", help="profile.json the plan was made from")
+    p.add_argument("plan", help="plan.json that pipeflow-train ran")
+    p.add_argument("trace", help="the Chrome trace that pipeflow-train --trace wrote")
+    p.add_argument("--skip", type=int, default=2, help="first steps left out (warm-up; default 2)")
+    p.add_argument("-o", "--output", required=True, help="profile.json to write, with action_ms and message_ms")
+    args = p.parse_args(argv)
+    try:
+        if args.skip < 0:
+            raise ProfileError(f"--skip must be >= 0, found {args.skip}")
+        profile, plan = Profile.load(args.profile), Plan.load(args.plan)
+        plan.validate(num_layers=len(profile.layers))
+        action, message = calibrate(profile, plan, read_json(args.trace, "trace", ProfileError), skip=args.skip)
+        profile.action_ms, profile.message_ms = round(action, 6), round(message, 6)
+        profile.save(args.output)
+    except (ProfileError, PlanError, OSError) as e:
+        print(f"calibrate: error: {e}", file=sys.stderr)
+        return 2
+    print(f"runtime per action {action:.3f} ms, per message sent {message:.3f} ms -> {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
