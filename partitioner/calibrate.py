@@ -12,10 +12,17 @@ I/O thread is not scheduled). With small layers that is half of the step (benchm
 
 where a rank's `own` time in a step is its F, B and W spans plus the gaps between its spans (dispatch),
 its WAIT, SEND and STEP spans excluded, n its forwards in the step, and `profiled` its stage's forward +
-backward per microbatch from the profile (as the planner counts them for the plan's schedule). The first
-`--skip` steps (warm-up) are left out. The two numbers go into profile.json (`action_ms`, `message_ms`),
-where the planner adds them to every stage (costmodel.LayerCosts.stage_overhead_ms): they are properties
-of the machine and the runtime, so one calibration run serves the other models planned on that machine.
+backward per microbatch from the profile (as the planner counts them for the plan's schedule). On a plan
+with replicas (data parallelism) it also reads the all-reduce's bandwidth between ranks, on CPU gloo's
+over loopback, far from the 10 GB/s default topology:
+
+    link_bandwidth = 2 (r-1)/r * P / (last B + STEP - optimizer step)   (bytes/s)
+
+(the simulator starts the all-reduce with the last backward and ends it before the optimizer step). The
+first `--skip` steps (warm-up) are left out. The numbers go into profile.json (`action_ms`, `message_ms`,
+`link_bandwidth`); the planner adds the first two to every stage (costmodel.LayerCosts.stage_overhead_ms)
+and plans on the third without --topology. They are properties of the machine and the runtime, so the
+calibration runs serve the other models planned on that machine.
 """
 from __future__ import annotations
 
@@ -50,15 +57,19 @@ def _spans(trace: Any) -> dict[int, dict[int, list[tuple[str, float, float]]]]:
     return out
 
 
-def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2) -> tuple[float, float]:
-    """(action_ms, message_ms) of the traced run of `plan` (module docstring)."""
-    lay = layer_costs(profile, plan.schedule, "adam")
+def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimizer: str = "adam") -> dict[str, float]:
+    """What the traced run of `plan` shows (module docstring): `action_ms` always, `message_ms` where ranks
+    sent (a pipeline), `link_bandwidth` where a stage has replicas (data parallelism)."""
+    lay = layer_costs(profile, plan.schedule, optimizer)
     L = len(lay)
     per_action: list[float] = []
     sends: list[float] = []
+    reduce: list[float] = []  # bytes/s of the replicas' all-reduce, per rank and step
     for rank, steps in _spans(trace).items():
-        a, b = plan.stages[plan.stage_of_rank(rank)[0]].layers
+        st = plan.stages[plan.stage_of_rank(rank)[0]]
+        a, b = st.layers
         profiled = float(lay.forward_ms[a:b].sum() + lay.backward_ms[a:b].sum()) + (lay.loss_ms if b == L else 0.0)
+        p = float(lay.parameter_bytes[a:b].sum())
         for step, spans in steps.items():
             if step < skip:
                 continue
@@ -68,10 +79,23 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2) -> tup
             sends += [end - start for kind, start, end in spans if kind in SENDS]
             if n:
                 per_action.append((own - n * profiled) / (2 * n))
+            last_b = [end - start for kind, start, end in spans if kind == "B"][-1:]
+            step_ms = sum(end - start for kind, start, end in spans if kind == "STEP")
+            if st.replicas > 1 and p > 0 and last_b:
+                # The all-reduce starts with the last backward (reduce.py buckets it there) and ends inside
+                # STEP, before the optimizer step: the simulator's model, read backwards.
+                ms = last_b[0] + step_ms - lay.optimizer_ms_per_byte * p
+                if ms > 0:
+                    reduce.append(2 * (st.replicas - 1) / st.replicas * p / (ms / 1e3))
     if not per_action:
         raise ProfileError(f"the trace holds no forward after step {skip}: run pipeflow-train --trace for more "
                            "steps on this plan")
-    return max(0.0, statistics.median(per_action)), statistics.median(sends) if sends else 0.0
+    out = {"action_ms": max(0.0, statistics.median(per_action))}
+    if sends:
+        out["message_ms"] = statistics.median(sends)
+    if reduce:
+        out["link_bandwidth"] = statistics.median(reduce)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,13 +112,17 @@ def main(argv: list[str] | None = None) -> int:
             raise ProfileError(f"--skip must be >= 0, found {args.skip}")
         profile, plan = Profile.load(args.profile), Plan.load(args.plan)
         plan.validate(num_layers=len(profile.layers))
-        action, message = calibrate(profile, plan, read_json(args.trace, "trace", ProfileError), skip=args.skip)
-        profile.action_ms, profile.message_ms = round(action, 6), round(message, 6)
+        found = calibrate(profile, plan, read_json(args.trace, "trace", ProfileError), skip=args.skip)
+        for key, value in found.items():
+            setattr(profile, key, round(value, 6) if key.endswith("_ms") else value)
         profile.save(args.output)
     except (ProfileError, PlanError, OSError) as e:
         print(f"calibrate: error: {e}", file=sys.stderr)
         return 2
-    print(f"runtime per action {action:.3f} ms, per message sent {message:.3f} ms -> {args.output}")
+    print(f"runtime per action {found['action_ms']:.3f} ms"
+          + (f", per message sent {found['message_ms']:.3f} ms" if "message_ms" in found else "")
+          + (f", all-reduce {found['link_bandwidth'] / 1e9:.2f} GB/s" if "link_bandwidth" in found else "")
+          + f" -> {args.output}")
     return 0
 
 

@@ -93,7 +93,7 @@ def test_calibrate_reads_dispatch_and_sends_from_the_trace(tmp_path: Path) -> No
     spans = {0: [("F0", 0.0, 1.5), ("SEND_F0", 1.5, 0.3), ("WAIT_B0", 1.8, 2.2), ("B0", 4.0, 1.5), ("STEP", 5.7, 1.0)],
              1: [("WAIT_F0", 0.0, 1.8), ("F0", 1.8, 1.4), ("B0", 3.2, 1.4), ("SEND_B0", 4.6, 0.3), ("STEP", 4.9, 1.0)]}
     prof, plan = profile(), straight("gpipe", 1)
-    assert calibrate(prof, plan, trace(spans, 5), skip=2) == pytest.approx((0.5, 0.3))
+    assert calibrate(prof, plan, trace(spans, 5), skip=2) == pytest.approx({"action_ms": 0.5, "message_ms": 0.3})
     # Rank 1: own 2.8 with no gap -> 0.4; the median over both ranks' steps 2-4 is 0.5.
     (tmp_path / "t.json").write_text(json.dumps(trace(spans, 5)))
     prof.save(tmp_path / "p.json")
@@ -112,3 +112,12 @@ def test_calibrate_refuses_a_trace_without_steps(tmp_path: Path, capsys: pytest.
     assert rc == 2
     assert capsys.readouterr().err == ("calibrate: error: the trace holds no forward after step 2: run pipeflow-train "
                                        "--trace for more steps on this plan\n")
+
+
+def test_calibrate_reads_the_allreduce_bandwidth_of_replicas() -> None:
+    # One stage of 2 MB on two replicas: the last backward (2 ms) and STEP (2 ms, no optimizer time
+    # profiled) hold the all-reduce of 2 (r-1)/r * 2e6 = 2e6 bytes: 2e6 / 4 ms = 0.5 GB/s.
+    prof = Profile("m", {}, "cpu", "float32", 1, [LayerProfile(f"l{i}", 1.0, 1.0, 0, 0, 1_000_000) for i in range(2)])
+    plan = Plan("1f1b", 2, 2, [StagePlan((0, 2), 2, [0, 1])])
+    spans = {r: [("F0", 0.0, 2.0), ("B0", 2.0, 2.0), ("STEP", 4.0, 2.0)] for r in (0, 1)}
+    assert calibrate(prof, plan, trace(spans, 4)) == pytest.approx({"action_ms": 0.0, "link_bandwidth": 5e8})

@@ -9,9 +9,10 @@ steady-state samples/s it logs, steps 3 on, give the measured step time m * b / 
 --runs runs). Each command waits for the CPUs to be idle (>= 90 %, other users between their jobs); the load
 average is printed before and after: on a shared machine the measured times are not the model's.
 
-First, once, the runtime's own costs on this machine are calibrated (partitioner/calibrate.py) from a traced
-run of the first case: `action_ms` and `message_ms`. Every case is then planned twice, from its profile as
-pipeflow-profile wrote it ("profile only") and with the two calibrated numbers added ("calibrated"), and
+First, once, the runtime's own costs on this machine are calibrated (partitioner/calibrate.py) from two
+traced runs of the first case: `action_ms` and `message_ms` from a straight pipeline, `link_bandwidth` (the
+all-reduce between ranks) from data parallelism. Every case is then planned twice, from its profile as
+pipeflow-profile wrote it ("profile only") and with the three calibrated numbers added ("calibrated"), and
 trained on the calibrated plan.
 """
 from __future__ import annotations
@@ -25,6 +26,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from partitioner.plan import Plan, StagePlan
 
 # (model, model args, workers, microbatch size, microbatches, schedule, steps)
 CASES = [
@@ -96,15 +99,27 @@ def _train(model: str, args: dict[str, object], workers: int, b: int, m: int, st
 
 
 def calibration(tmp: Path) -> dict[str, float]:
-    """action_ms and message_ms from a traced run of the first case."""
+    """action_ms and message_ms from a traced run of the first case as a straight pipeline (every stage
+    sends), link_bandwidth (the all-reduce between ranks) from a traced data-parallel run of it."""
     model, args, workers, b, m, schedule, steps = CASES[0]
-    profile_and_plan(model, args, workers, b, m, schedule, tmp, None)
-    train(model, args, workers, b, m, steps, "plan.json", tmp, "--trace", "trace.json")
-    out = run([sys.executable, "-m", "partitioner.calibrate", "profile.json", "plan.json", "trace.json", "-o",
-               "calibrated-profile.json"], tmp)
-    print(f"# calibration ({model} {json.dumps(args)}, {schedule}, traced): {out.strip()}", flush=True)
-    prof = json.loads((tmp / "calibrated-profile.json").read_text())
-    return {"action_ms": prof["action_ms"], "message_ms": prof["message_ms"]}
+    py = sys.executable
+    run([py, "-m", "partitioner.profiler", "--model", model, "--model-args", json.dumps(args), "--microbatch-size",
+         str(b), "--device", "cpu", "--threads", "1", "--repeats", "10", "-o", "profile.json"], tmp)
+    run([py, "-m", "partitioner.cli", "profile.json", "--workers", str(workers), "--schedule", schedule,
+         "--microbatches", str(m), "--straight", "-o", "straight.json"], tmp)
+    layers = len(json.loads((tmp / "profile.json").read_text())["layers"])
+    Plan(schedule, m, workers, [StagePlan((0, layers), workers, list(range(workers)))]).save(tmp / "replicas.json")
+    found: dict[str, float] = {}
+    for plan in ("straight.json", "replicas.json"):
+        train(model, args, workers, b, m, steps, plan, tmp, "--trace", "trace.json")
+        out = run([py, "-m", "partitioner.calibrate", "profile.json", plan, "trace.json", "-o", "calibrated.json"], tmp)
+        print(f"# calibration ({model} {json.dumps(args)}, {schedule}, {plan}, traced): {out.strip()}", flush=True)
+        got = json.loads((tmp / "calibrated.json").read_text())
+        if plan == "straight.json":
+            found.update(action_ms=got["action_ms"], message_ms=got["message_ms"])
+        else:
+            found["link_bandwidth"] = got["link_bandwidth"]
+    return found
 
 
 def main() -> None:
