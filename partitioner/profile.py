@@ -12,7 +12,8 @@ runtime's own costs on this machine (`python -m partitioner.calibrate`, from a t
 message to a neighbouring stage.
 
 On CUDA with more than one GPU visible, the optional `link_bandwidth` (bytes/s, measured GPU to GPU) is the
-default topology of pipeflow-plan when --topology is not given.
+default topology of pipeflow-plan when --topology is not given; on CPU partitioner.calibrate writes it (the
+all-reduce between ranks, from a traced data-parallel run).
 
 One file may hold the model at several microbatch sizes (`pipeflow-profile --microbatch-sizes 2,4,8`, for
 `pipeflow-plan --global-batch`): the top level is the first size, as a one-size file, and the optional
