@@ -38,6 +38,7 @@ CASES = [
      2, 8, 8, "1f1b", 20),
     ("mlp", {"layers": 4, "hidden": 1024}, 2, 16, 4, "gpipe", 20),
 ]
+CONCURRENT = False  # --concurrent-profile
 STEADY = re.compile(r"steady state \(steps \d+-\d+\): ([\d.]+) samples/s")
 
 
@@ -64,12 +65,27 @@ def run(cmd: list[str], cwd: Path) -> str:
     return r.stdout + r.stderr
 
 
+def profile(model: str, args: dict[str, object], b: int, copies: int, tmp: Path) -> None:
+    """profile.json from pipeflow-profile; with copies > 1 that many run at once (the others' files are
+    dropped), so that the layers are timed while as many processes compute as the plan's ranks: two ranks
+    on two cores share the L3 and the memory bandwidth (README, "What remains")."""
+    wait_idle()
+    cmd = [sys.executable, "-m", "partitioner.profiler", "--model", model, "--model-args", json.dumps(args),
+           "--microbatch-size", str(b), "--device", "cpu", "--threads", "1", "--repeats", "10", "-o"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([*cmd, "profile.json" if k == 0 else f"profile-copy{k}.json"], cwd=tmp, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for k in range(copies)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=900)
+        if proc.returncode:
+            raise SystemExit(f"pipeflow-profile failed ({proc.returncode}):\n{err[-2000:]}")
+
+
 def profile_and_plan(model: str, args: dict[str, object], workers: int, b: int, m: int, schedule: str, tmp: Path,
                      runtime: dict[str, float] | None) -> tuple[dict, dict]:
     """The plan from the profile alone, and (with `runtime`) from the profile with the calibrated costs."""
     py = sys.executable
-    run([py, "-m", "partitioner.profiler", "--model", model, "--model-args", json.dumps(args), "--microbatch-size",
-         str(b), "--device", "cpu", "--threads", "1", "--repeats", "10", "-o", "profile.json"], tmp)
+    profile(model, args, b, workers if CONCURRENT else 1, tmp)
     plans = []
     for name, extra in (("plan.json", None), ("calibrated.json", runtime)):
         prof = json.loads((tmp / "profile.json").read_text())
@@ -103,8 +119,7 @@ def calibration(tmp: Path) -> dict[str, float]:
     sends), link_bandwidth (the all-reduce between ranks) from a traced data-parallel run of it."""
     model, args, workers, b, m, schedule, steps = CASES[0]
     py = sys.executable
-    run([py, "-m", "partitioner.profiler", "--model", model, "--model-args", json.dumps(args), "--microbatch-size",
-         str(b), "--device", "cpu", "--threads", "1", "--repeats", "10", "-o", "profile.json"], tmp)
+    profile(model, args, b, workers if CONCURRENT else 1, tmp)
     run([py, "-m", "partitioner.cli", "profile.json", "--workers", str(workers), "--schedule", schedule,
          "--microbatches", str(m), "--straight", "-o", "straight.json"], tmp)
     layers = len(json.loads((tmp / "profile.json").read_text())["layers"])
@@ -126,7 +141,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--runs", type=int, default=3, help="training runs per case; the fastest counts (default 3)")
+    p.add_argument("--concurrent-profile", action="store_true",
+                   help="profile in as many processes at once as the case has ranks (the conditions of training)")
     a = p.parse_args()
+    global CONCURRENT
+    CONCURRENT = a.concurrent_profile
     print(f"# load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory() as d:
         runtime = calibration(Path(d))
