@@ -113,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         profile, plan = Profile.load(args.profile), Plan.load(args.plan)
         plan.validate(num_layers=len(profile.layers))
         found = calibrate(profile, plan, read_json(args.trace, "trace", ProfileError), skip=args.skip)
-        for key, value in found.items():
-            setattr(profile, key, round(value, 6) if key.endswith("_ms") else value)
+        for key, value in found.items():  # at every microbatch size of the file: the machine's, not the size's
+            for prof in profile.at_sizes():
+                setattr(prof, key, round(value, 6) if key.endswith("_ms") else value)
         profile.save(args.output)
     except (ProfileError, PlanError, OSError) as e:
         print(f"calibrate: error: {e}", file=sys.stderr)

@@ -94,6 +94,7 @@ def test_calibrate_reads_dispatch_and_sends_from_the_trace(tmp_path: Path) -> No
              1: [("WAIT_F0", 0.0, 1.8), ("F0", 1.8, 1.4), ("B0", 3.2, 1.4), ("SEND_B0", 4.6, 0.3), ("STEP", 4.9, 1.0)]}
     prof, plan = profile(), straight("gpipe", 1)
     assert calibrate(prof, plan, trace(spans, 5), skip=2) == pytest.approx({"action_ms": 0.5, "message_ms": 0.3})
+    prof.others = [Profile("m", {}, "cpu", "float32", 2, [LayerProfile(f"l{i}", 2.0, 2.0, 0, 0, 0) for i in range(2)])]
     # Rank 1: own 2.8 with no gap -> 0.4; the median over both ranks' steps 2-4 is 0.5.
     (tmp_path / "t.json").write_text(json.dumps(trace(spans, 5)))
     prof.save(tmp_path / "p.json")
@@ -102,6 +103,8 @@ def test_calibrate_reads_dispatch_and_sends_from_the_trace(tmp_path: Path) -> No
                           + ["-o", str(tmp_path / "out.json")]) == 0
     out = Profile.load(tmp_path / "out.json")
     assert (out.action_ms, out.message_ms) == pytest.approx((0.5, 0.3))
+    # Written at every microbatch size the file holds (pipeflow-plan --global-batch plans each).
+    assert (out.others[0].action_ms, out.others[0].message_ms) == pytest.approx((0.5, 0.3))
 
 
 def test_calibrate_refuses_a_trace_without_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
