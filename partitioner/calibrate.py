@@ -60,6 +60,9 @@ def _spans(trace: Any) -> dict[int, dict[int, list[tuple[str, float, float]]]]:
 def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimizer: str = "adam") -> dict[str, float]:
     """What the traced run of `plan` shows (module docstring): `action_ms` always, `message_ms` where ranks
     sent (a pipeline), `link_bandwidth` where a stage has replicas (data parallelism)."""
+    if plan.virtual_stages > 1:
+        raise ProfileError(f"calibrate needs a plan with one stage per rank, found {plan.virtual_stages} chunks per "
+                           "rank (interleaved): trace a plan without --virtual-stages")
     lay = layer_costs(profile, plan.schedule, optimizer)
     L = len(lay)
     per_action: list[float] = []

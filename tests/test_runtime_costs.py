@@ -124,3 +124,10 @@ def test_calibrate_reads_the_allreduce_bandwidth_of_replicas() -> None:
     plan = Plan("1f1b", 2, 2, [StagePlan((0, 2), 2, [0, 1])])
     spans = {r: [("F0", 0.0, 2.0), ("B0", 2.0, 2.0), ("STEP", 4.0, 2.0)] for r in (0, 1)}
     assert calibrate(prof, plan, trace(spans, 4)) == pytest.approx({"action_ms": 0.0, "link_bandwidth": 5e8})
+
+
+def test_calibrate_refuses_an_interleaved_plan() -> None:
+    plan = Plan("interleaved", 2, 2, [StagePlan((k, k + 1), 1, [k % 2]) for k in range(4)])
+    prof = Profile("m", {}, "cpu", "float32", 1, [LayerProfile(f"l{i}", 1.0, 1.0, 0, 0, 0) for i in range(4)])
+    with pytest.raises(ProfileError, match=r"^calibrate needs a plan with one stage per rank, found 2 chunks per rank"):
+        calibrate(prof, plan, trace({0: [("F0", 0.0, 1.0)]}, 3))
