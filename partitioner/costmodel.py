@@ -5,7 +5,9 @@ the real schedule): the busiest worker's own work. The search (partitioner/searc
 order of this bound and lets the simulator decide, so the plan chosen is the best one the simulator knows.
 
 Bound (time per minibatch of m microbatches, ms). A stage [i, j) on r units of level k, linked at
-bandwidth bw_k, with t = forward + backward (+ the loss on the last layer) per microbatch, b its backward,
+bandwidth bw_k, with t = forward + backward (+ the loss on the last layer, + the runtime's own time per
+forward and backward and per message it sends: LayerCosts.stage_overhead_ms, which the simulator's stage
+costs use too) per microbatch, b its backward,
 P its parameter bytes, q = ceil(m / r) the microbatches of its busiest replica (round-robin), costs
 
     busy  = U(i, j) * q / m + steps * (max(0, AR(P, r, bw_k) - b) + opt * P)
@@ -64,21 +66,35 @@ class LayerCosts:
     loss_ms: float = 0.0  # forward + backward of the loss per microbatch, on the last layer's stage
     optimizer_ms_per_byte: float = 0.0  # one optimizer step, per parameter byte
     backward_weight_ms: np.ndarray | None = None  # the W share of backward_ms (zero-bubble schedules)
+    action_ms: float = 0.0  # the runtime's own time per forward and per backward of a stage (profile.action_ms)
+    message_ms: float = 0.0  # the sender's time per message to a neighbouring stage (profile.message_ms)
 
     @classmethod
     def of(cls, forward_ms: Sequence[float], backward_ms: Sequence[float], output_bytes: Sequence[float],
            activation_bytes: Sequence[float], parameter_bytes: Sequence[float], *, loss_ms: float = 0.0,
-           optimizer_ms_per_byte: float = 0.0, backward_weight_ms: Sequence[float] | None = None) -> LayerCosts:
+           optimizer_ms_per_byte: float = 0.0, backward_weight_ms: Sequence[float] | None = None,
+           action_ms: float = 0.0, message_ms: float = 0.0) -> LayerCosts:
         cols = [np.asarray(c, dtype=np.float64) for c in
                 (forward_ms, backward_ms, output_bytes, activation_bytes, parameter_bytes)]
         if len({len(c) for c in cols}) != 1 or len(cols[0]) == 0:
             raise PlanningError(f"layer cost columns must be non-empty and of equal length, found "
                                 f"{[len(c) for c in cols]}")
         weight = None if backward_weight_ms is None else np.minimum(np.asarray(backward_weight_ms, np.float64), cols[1])
-        return cls(cols[0], cols[1], cols[2], cols[3], cols[4], float(loss_ms), float(optimizer_ms_per_byte), weight)
+        return cls(cols[0], cols[1], cols[2], cols[3], cols[4], float(loss_ms), float(optimizer_ms_per_byte), weight,
+                   float(action_ms), float(message_ms))
 
     def __len__(self) -> int:
         return len(self.forward_ms)
+
+    def stage_overhead_ms(self, i: np.ndarray | int, k: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
+        """What the runtime adds to one forward and one backward of stage [i, k) beyond its layers (the one
+        definition the DP's bound and the simulator's stage costs both use): `action_ms` on each, and the
+        sender's `message_ms` on the forward when a stage follows (k < L: it sends the activation) and on
+        the backward when one precedes (i > 0: it sends the input gradient)."""
+        n = len(self)
+        fwd = self.action_ms + self.message_ms * (np.asarray(k) < n)
+        bwd = self.action_ms + self.message_ms * (np.asarray(i) > 0)
+        return np.asarray(fwd, dtype=np.float64), np.asarray(bwd, dtype=np.float64)
 
 
 @dataclass
@@ -147,7 +163,7 @@ class CostModel:
         the m microbatches round-robin) plus, per step, the all-reduce beyond the last backward and the
         optimizer step."""
         p = self.P[k] - self.P[i]
-        b = self.Bw[k] - self.Bw[i]
+        b = self.Bw[k] - self.Bw[i] + self.layers.stage_overhead_ms(i, k)[1]
         exposed = np.maximum(0.0, self.allreduce_ms(p, r, level) - b)
         if level == 0:
             exposed = exposed + self.layers.optimizer_ms_per_byte * p
@@ -169,7 +185,7 @@ class CostModel:
         round trip through the stages after it (layers [k, L)), and after its last backward the gradient
         still crosses the stages before it (backward of [0, i)) while it all-reduces and steps."""
         L = self.num_layers
-        fwd = (self.C[k] - self.C[i]) - b  # forward of [i, k), the loss included on the last layer
+        fwd = self.stage_compute_ms(i, k) - b  # forward of [i, k), the loss included on the last layer
         # Level 0: the replica runs ceil(m / r) backwards; above, a unit's replicas are not known here.
         backwards = self.share(r) if len(self.topology.levels) == 1 else 1.0
         trip = fwd + (self.C[L] - self.C[k]) + backwards * b
@@ -207,9 +223,15 @@ class CostModel:
         """Workers outside one level-`level` group that may sit downstream of it (bound for D)."""
         return self.topology.workers - self.topology.unit_size(level + 1)
 
+    def stage_compute_ms(self, i: np.ndarray | int, k: np.ndarray | int) -> np.ndarray:
+        """Forward + backward of stage [i, k) per microbatch: its layers (the loss on the last) and what the
+        runtime adds to them (LayerCosts.stage_overhead_ms)."""
+        fwd, bwd = self.layers.stage_overhead_ms(i, k)
+        return np.asarray(self.C[k] - self.C[i] + fwd + bwd)
+
     def unit_ms(self, level: int, i: int, j: np.ndarray, inner: np.ndarray | None) -> np.ndarray:
         if level == 0:
-            return self.microbatches * (self.C[j] - self.C[i])
+            return self.microbatches * self.stage_compute_ms(i, j)
         assert inner is not None
         return inner[i, j]
 

@@ -32,13 +32,15 @@ def level_factors(ranks: Sequence[int], topology: Topology) -> list[int]:
 
 def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int, int]],
                 ranks: Sequence[Sequence[int]]) -> list[StageCost]:
-    """Per stage: compute (the loss on the last), its output, a ring all-reduce 2 (r-1)/r P / B for each
-    level its replicas span, the optimizer step. send_ms is for the table: one message at the bandwidth
+    """Per stage: compute (the loss on the last; the runtime's own time per action and message sent,
+    LayerCosts.stage_overhead_ms), its output, a ring all-reduce 2 (r-1)/r P / B for each level its
+    replicas span, the optimizer step. send_ms is for the table: one message at the bandwidth
     between the first replicas of this stage and the next (the simulator prices every pair itself)."""
     L, out = len(lay), []
     for t, ((a, b), rs) in enumerate(zip(ranges, ranks)):
         p = float(lay.parameter_bytes[a:b].sum())
-        fwd = float(lay.forward_ms[a:b].sum()) + (lay.loss_ms if b == L else 0.0)
+        extra_f, extra_b = lay.stage_overhead_ms(a, b)  # the runtime's own time (costmodel, as in the DP)
+        fwd = float(lay.forward_ms[a:b].sum()) + (lay.loss_ms if b == L else 0.0) + float(extra_f)
         nbytes = float(lay.output_bytes[b - 1]) if t + 1 < len(ranges) else 0.0
         send = 0.0
         if t + 1 < len(ranges):
@@ -46,7 +48,7 @@ def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int,
         ar = sum(2.0 * (f - 1) / f * p / (topology.levels[k].bandwidth / 1e3)
                  for k, f in enumerate(level_factors(rs, topology)) if f > 1)
         weight = 0.0 if lay.backward_weight_ms is None else float(lay.backward_weight_ms[a:b].sum())
-        out.append(StageCost(fwd, float(lay.backward_ms[a:b].sum()), send, ar, p,
+        out.append(StageCost(fwd, float(lay.backward_ms[a:b].sum()) + float(extra_b), send, ar, p,
                              float(lay.activation_bytes[a:b].sum()), lay.optimizer_ms_per_byte * p, nbytes, weight))
     return out
 

@@ -6,10 +6,14 @@ read files with them): per layer `backward_accumulate_ms`, the backward when gra
 backward that zero-bubble schedules defer (pipeflow/split.py); at the top, `loss_ms` (the loss's forward and
 backward per microbatch) and `optimizer_ms_per_byte` ({"adam": ..., "sgd": ...}: one optimizer step per
 parameter byte). The planner uses them when present and counts them as 0 (or backward_ms) when absent;
-an absent `backward_weight_ms` is estimated (Profile.weight_column).
+an absent `backward_weight_ms` is estimated (Profile.weight_column). Also optional at the top, the
+runtime's own costs on this machine (`python -m partitioner.calibrate`, from a traced run):
+`action_ms`, added to every forward and backward of a stage, and `message_ms`, the sender's time per
+message to a neighbouring stage.
 
 On CUDA with more than one GPU visible, the optional `link_bandwidth` (bytes/s, measured GPU to GPU) is the
-default topology of pipeflow-plan when --topology is not given.
+default topology of pipeflow-plan when --topology is not given; on CPU partitioner.calibrate writes it (the
+all-reduce between ranks, from a traced data-parallel run).
 
 One file may hold the model at several microbatch sizes (`pipeflow-profile --microbatch-sizes 2,4,8`, for
 `pipeflow-plan --global-batch`): the top level is the first size, as a one-size file, and the optional
@@ -29,6 +33,7 @@ from partitioner.jsonfile import check_fields, field_problem, read_json, write_j
 PROFILE_FORMAT = "pipeflow.profile/1"
 LAYER_NUMBERS = ("forward_ms", "backward_ms", "output_bytes", "activation_bytes", "parameter_bytes")
 OPTIONAL_LAYER_NUMBERS = ("backward_accumulate_ms", "backward_weight_ms")
+RUNTIME_NUMBERS = ("action_ms", "message_ms")  # optional, at the top
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 # Upper bounds of a plausible measurement: sums over layers and microbatches must stay finite in float64
 # (a time of 1e308 ms overflows to inf once multiplied by m and used to look like "no plan").
@@ -86,6 +91,8 @@ class Profile:
     optimizer_ms_per_byte: dict[str, float] = field(default_factory=dict)
     others: list[Profile] = field(default_factory=list)  # the same layers at other microbatch sizes
     link_bandwidth: float | None = None  # bytes/s between two devices, measured (CUDA, >1 GPU)
+    action_ms: float | None = None  # the runtime's own time per forward or backward of a stage (calibrated)
+    message_ms: float | None = None  # the sender's time per message between stages (calibrated)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -117,6 +124,10 @@ class Profile:
                                                 for k, v in opt.items()):
             raise ProfileError(f"{source}: optimizer_ms_per_byte must map optimizer names to non-negative "
                                f"numbers, found {_show(opt)}")
+        for key in RUNTIME_NUMBERS:
+            v = getattr(self, key)
+            if v is not None and (not _is_number(v) or not 0 <= v <= MAX_MS):
+                raise ProfileError(f"{source}: {key} must be a number in [0, {MAX_MS:g}] (ms), found {_show(v)}")
         bw = self.link_bandwidth
         if bw is not None and (not _is_number(bw) or not 0 < bw < MAX_BYTES):
             raise ProfileError(f"{source}: link_bandwidth must be a positive number of bytes/s, found {_show(bw)}")
@@ -161,6 +172,7 @@ class Profile:
             d["other_microbatch_sizes"] = [other.to_json() for other in self.others]
         if self.link_bandwidth is not None:
             d["link_bandwidth"] = self.link_bandwidth
+        d.update({k: getattr(self, k) for k in RUNTIME_NUMBERS if getattr(self, k) is not None})
         return d
 
     def save(self, path: str | Path) -> None:
@@ -191,7 +203,8 @@ class Profile:
         try:
             return cls(d["model"], d.get("model_args", {}), d["device"], d["dtype"], d["microbatch_size"], layers,
                        d.get("loss_ms"), d.get("optimizer_ms_per_byte", {}), others,
-                       link_bandwidth=d.get("link_bandwidth"))
+                       link_bandwidth=d.get("link_bandwidth"), action_ms=d.get("action_ms"),
+                       message_ms=d.get("message_ms"))
         except ProfileError as e:
             # __post_init__ validated with the default source name; say which file.
             raise ProfileError(str(e).replace("profile: ", f"{source}: ", 1)) from None

@@ -44,7 +44,7 @@ def evaluate(model: CostModel, node: Node) -> float:
     worst, left = 0.0, total
     for t, (a, b, u, child) in enumerate(node.stages):
         if child is None:
-            unit = model.microbatches * (model.C[b] - model.C[a])
+            unit = model.microbatches * float(model.stage_compute_ms(a, b))
         else:
             unit = evaluate(model, child)
         cost = float(model.stage_ms(unit, a, b, u, node.level))

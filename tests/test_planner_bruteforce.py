@@ -63,11 +63,15 @@ def cli_plan(tmp_path: Path, profile: Profile, *args: str) -> dict | None:
 
 def random_profile(rng: random.Random, n: int) -> Profile:
     opt = rng.choice([{}, {"adam": rng.choice([1e-7, 1e-6])}])
-    return Profile("m", {}, "cpu", "float32", 1,
+    prof = Profile("m", {}, "cpu", "float32", 1,
                    [LayerProfile(f"l{i}", rng.uniform(0.1, 3), rng.uniform(0.1, 6), rng.choice([0, 1e4, 1e6, 4e6]),
                                  1000, rng.choice([0, 1e5, 1e6, 1e7]),
                                  rng.choice([None, rng.uniform(0.1, 6)])) for i in range(n)],
                    loss_ms=rng.choice([None, rng.uniform(0, 2)]), optimizer_ms_per_byte=opt)
+    # The runtime's own costs (calibrated on CPU), in a third of the cases: they change which plan wins.
+    if rng.random() < 1 / 3:
+        prof.action_ms, prof.message_ms = rng.uniform(0, 1), rng.uniform(0, 2)
+    return prof
 
 
 @pytest.mark.parametrize("seed", range(60))

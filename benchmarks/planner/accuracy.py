@@ -5,8 +5,15 @@
 
 Each case runs the three commands a user runs: `pipeflow-profile` (1 torch thread, as a rank), `pipeflow-plan`
 (the simulator's step time is `predicted.step_ms` in plan.json) and `mpirun -np N pipeflow-train --plan` (the
-steady-state samples/s it logs, steps 3 on, give the measured step time m * b / samples/s). The machine's
-load average is printed before and after: on a shared machine the measured times are not the model's.
+steady-state samples/s it logs, steps 3 on, give the measured step time m * b / samples/s; the fastest of
+--runs runs). Each command waits for the CPUs to be idle (>= 90 %, other users between their jobs); the load
+average is printed before and after: on a shared machine the measured times are not the model's.
+
+First, once, the runtime's own costs on this machine are calibrated (partitioner/calibrate.py) from two
+traced runs of the first case: `action_ms` and `message_ms` from a straight pipeline, `link_bandwidth` (the
+all-reduce between ranks) from data parallelism. Every case is then planned twice, from its profile as
+pipeflow-profile wrote it ("profile only") and with the three calibrated numbers added ("calibrated"), and
+trained on the calibrated plan.
 """
 from __future__ import annotations
 
@@ -17,7 +24,10 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+from partitioner.plan import Plan, StagePlan
 
 # (model, model args, workers, microbatch size, microbatches, schedule, steps)
 CASES = [
@@ -26,11 +36,28 @@ CASES = [
     ("mlp", {"layers": 8, "hidden": 2048}, 2, 32, 8, "1f1b", 10),
     ("gpt", {"layers": 4, "d_model": 128, "heads": 4, "seq_len": 64, "dataset": "synthetic", "dataset_size": 4096},
      2, 8, 8, "1f1b", 20),
+    ("mlp", {"layers": 4, "hidden": 1024}, 2, 16, 4, "gpipe", 20),
 ]
+CONCURRENT = False  # --concurrent-profile
 STEADY = re.compile(r"steady state \(steps \d+-\d+\): ([\d.]+) samples/s")
 
 
+def wait_idle(limit_s: float = 900.0) -> None:
+    """Wait until the CPUs are >= 90 % idle over 2 s, twice in a row (other users of a shared machine
+    between their jobs), or `limit_s` passed; no-op without /proc/stat."""
+    def ticks() -> tuple[int, int]:
+        v = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:9]]
+        return v[3] + v[4], sum(v)
+    if not Path("/proc/stat").exists():
+        return
+    quiet, t0 = 0, time.monotonic()
+    while quiet < 2 and time.monotonic() - t0 < limit_s:
+        (i0, a0), _, (i1, a1) = ticks(), time.sleep(2), ticks()
+        quiet = quiet + 1 if (i1 - i0) >= 0.9 * (a1 - a0) else 0
+
+
 def run(cmd: list[str], cwd: Path) -> str:
+    wait_idle()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PIPEFLOW_LOG": "INFO"}
     r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     if r.returncode:
@@ -38,37 +65,103 @@ def run(cmd: list[str], cwd: Path) -> str:
     return r.stdout + r.stderr
 
 
-def case(model: str, args: dict[str, object], workers: int, b: int, m: int, schedule: str, steps: int,
-         tmp: Path) -> tuple[str, float, float]:
+def profile(model: str, args: dict[str, object], b: int, copies: int, tmp: Path) -> None:
+    """profile.json from pipeflow-profile; with copies > 1 that many run at once (the others' files are
+    dropped), so that the layers are timed while as many processes compute as the plan's ranks: two ranks
+    on two cores share the L3 and the memory bandwidth (README, "What remains")."""
+    wait_idle()
+    cmd = [sys.executable, "-m", "partitioner.profiler", "--model", model, "--model-args", json.dumps(args),
+           "--microbatch-size", str(b), "--device", "cpu", "--threads", "1", "--repeats", "10", "-o"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([*cmd, "profile.json" if k == 0 else f"profile-copy{k}.json"], cwd=tmp, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for k in range(copies)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=900)
+        if proc.returncode:
+            raise SystemExit(f"pipeflow-profile failed ({proc.returncode}):\n{err[-2000:]}")
+
+
+def profile_and_plan(model: str, args: dict[str, object], workers: int, b: int, m: int, schedule: str, tmp: Path,
+                     runtime: dict[str, float] | None) -> tuple[dict, dict]:
+    """The plan from the profile alone, and (with `runtime`) from the profile with the calibrated costs."""
     py = sys.executable
-    margs = json.dumps(args)
-    run([py, "-m", "partitioner.profiler", "--model", model, "--model-args", margs, "--microbatch-size", str(b),
-         "--device", "cpu", "--threads", "1", "--repeats", "10", "-o", "profile.json"], tmp)
-    run([py, "-m", "partitioner.cli", "profile.json", "--workers", str(workers), "--schedule", schedule,
-         "--microbatches", str(m), "-o", "plan.json"], tmp)
-    plan = json.loads((tmp / "plan.json").read_text())
-    out = run(["mpirun", "-np", str(workers), py, "-m", "pipeflow.train", "--model", model, "--model-args", margs,
-               "--plan", "plan.json", "--steps", str(steps), "--microbatch-size", str(b), "--device", "cpu"], tmp)
+    profile(model, args, b, workers if CONCURRENT else 1, tmp)
+    plans = []
+    for name, extra in (("plan.json", None), ("calibrated.json", runtime)):
+        prof = json.loads((tmp / "profile.json").read_text())
+        (tmp / "planned.json").write_text(json.dumps({**prof, **(extra or {})}))
+        run([py, "-m", "partitioner.cli", "planned.json", "--workers", str(workers), "--schedule", schedule,
+             "--microbatches", str(m), "-o", name], tmp)
+        plans.append(json.loads((tmp / name).read_text()))
+    return plans[0], plans[1]
+
+
+def train(model: str, args: dict[str, object], workers: int, b: int, m: int, steps: int, plan: str, tmp: Path,
+          *extra: str, runs: int = 1) -> float:
+    """The measured step time (ms) of pipeflow-train on `plan`: the fastest of `runs` runs (another user's
+    burst on a shared machine only ever slows a run down)."""
+    return min(_train(model, args, workers, b, m, steps, plan, tmp, *extra) for _ in range(runs))
+
+
+def _train(model: str, args: dict[str, object], workers: int, b: int, m: int, steps: int, plan: str, tmp: Path,
+           *extra: str) -> float:
+    out = run(["mpirun", "-np", str(workers), sys.executable, "-m", "pipeflow.train", "--model", model,
+               "--model-args", json.dumps(args), "--plan", plan, "--steps", str(steps), "--microbatch-size", str(b),
+               "--device", "cpu", *extra], tmp)
     found = STEADY.findall(out)
     if not found:
         raise SystemExit(f"no steady-state line in the training log:\n{out[-2000:]}")
-    measured = m * b / float(found[-1]) * 1e3
-    shape = "-".join(str(st["replicas"]) for st in plan["stages"])
-    return shape, float(plan["predicted"]["step_ms"]), measured
+    return m * b / float(found[-1]) * 1e3
+
+
+def calibration(tmp: Path) -> dict[str, float]:
+    """action_ms and message_ms from a traced run of the first case as a straight pipeline (every stage
+    sends), link_bandwidth (the all-reduce between ranks) from a traced data-parallel run of it."""
+    model, args, workers, b, m, schedule, steps = CASES[0]
+    py = sys.executable
+    profile(model, args, b, workers if CONCURRENT else 1, tmp)
+    run([py, "-m", "partitioner.cli", "profile.json", "--workers", str(workers), "--schedule", schedule,
+         "--microbatches", str(m), "--straight", "-o", "straight.json"], tmp)
+    layers = len(json.loads((tmp / "profile.json").read_text())["layers"])
+    Plan(schedule, m, workers, [StagePlan((0, layers), workers, list(range(workers)))]).save(tmp / "replicas.json")
+    found: dict[str, float] = {}
+    for plan in ("straight.json", "replicas.json"):
+        train(model, args, workers, b, m, steps, plan, tmp, "--trace", "trace.json")
+        out = run([py, "-m", "partitioner.calibrate", "profile.json", plan, "trace.json", "-o", "calibrated.json"], tmp)
+        print(f"# calibration ({model} {json.dumps(args)}, {schedule}, {plan}, traced): {out.strip()}", flush=True)
+        got = json.loads((tmp / "calibrated.json").read_text())
+        if plan == "straight.json":
+            found.update(action_ms=got["action_ms"], message_ms=got["message_ms"])
+        else:
+            found["link_bandwidth"] = got["link_bandwidth"]
+    return found
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--runs", type=int, default=3, help="training runs per case; the fastest counts (default 3)")
+    p.add_argument("--concurrent-profile", action="store_true",
+                   help="profile in as many processes at once as the case has ranks (the conditions of training)")
     a = p.parse_args()
+    global CONCURRENT
+    CONCURRENT = a.concurrent_profile
     print(f"# load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print("| model | workers | schedule | b x m | replicas per stage | predicted ms | measured ms | error |")
-    print("|---|---:|---|---|---|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as d:
+        runtime = calibration(Path(d))
+    print("| model | workers | schedule | b x m | replicas per stage | predicted ms, profile only | predicted ms, "
+          "calibrated | measured ms | error, profile only | error, calibrated |")
+    print("|---|---:|---|---|---|---:|---:|---:|---:|---:|")
     for model, args, workers, b, m, schedule, steps in CASES[:1] if a.quick else CASES:
         with tempfile.TemporaryDirectory() as d:
-            shape, pred, meas = case(model, args, workers, b, m, schedule, steps, Path(d))
-        print(f"| {model} {json.dumps(args)} | {workers} | {schedule} | {b} x {m} | {shape} | {pred:.2f} | "
-              f"{meas:.2f} | {100 * (pred / meas - 1):+.0f}% |", flush=True)
+            tmp = Path(d)
+            plain, calibrated = profile_and_plan(model, args, workers, b, m, schedule, tmp, runtime)
+            meas = train(model, args, workers, b, m, steps, "calibrated.json", tmp, runs=a.runs)
+        shape, was = ("-".join(str(st["replicas"]) for st in pl["stages"]) for pl in (calibrated, plain))
+        shape += "" if was == shape else f" (profile only: {was})"
+        old, new = float(plain["predicted"]["step_ms"]), float(calibrated["predicted"]["step_ms"])
+        print(f"| {model} {json.dumps(args)} | {workers} | {schedule} | {b} x {m} | {shape} | {old:.2f} | {new:.2f} | "
+              f"{meas:.2f} | {100 * (old / meas - 1):+.0f}% | {100 * (new / meas - 1):+.0f}% |", flush=True)
     print(f"# load average after: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
 
 

@@ -1,0 +1,134 @@
+"""`python -m partitioner.calibrate`: the runtime's own costs on this machine, read from a traced run (issue 13).
+
+A profile times the layers alone; a rank under mpirun also spends time of its own on every action: Python
+dispatch of the engine and the stage (posting receives, reading the microbatch, seeding the layers,
+hooks), the layers running slower in a stage than alone (caches), and the send of every activation and
+gradient (on CPU, gloo's send writes the socket from the calling thread and waits while the receiver's
+I/O thread is not scheduled). With small layers that is half of the step (benchmarks/planner/README.md,
+"Accuracy"). Both are read from the Chrome trace of `pipeflow-train --trace` on the plan of the profile:
+
+    message_ms = median duration of the SEND_F / SEND_B spans (the sender's time per message)
+    action_ms  = median over ranks and steps of (own - n * profiled) / (2 n)
+
+where a rank's `own` time in a step is its F, B and W spans plus the gaps between its spans (dispatch),
+its WAIT, SEND and STEP spans excluded, n its forwards in the step, and `profiled` its stage's forward +
+backward per microbatch from the profile (as the planner counts them for the plan's schedule). On a plan
+with replicas (data parallelism) it also reads the all-reduce's bandwidth between ranks, on CPU gloo's
+over loopback, far from the 10 GB/s default topology:
+
+    link_bandwidth = 2 (r-1)/r * P / (last B + STEP - optimizer step)   (bytes/s)
+
+(the simulator starts the all-reduce with the last backward and ends it before the optimizer step). The
+first `--skip` steps (warm-up) are left out. The numbers go into profile.json (`action_ms`, `message_ms`,
+`link_bandwidth`); the planner adds the first two to every stage (costmodel.LayerCosts.stage_overhead_ms)
+and plans on the third without --topology. They are properties of the machine and the runtime, so the
+calibration runs serve the other models planned on that machine.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from typing import Any
+
+from partitioner.jsonfile import read_json
+from partitioner.plan import Plan, PlanError
+from partitioner.profile import Profile, ProfileError
+from partitioner.service import layer_costs
+
+OWN = ("F", "B", "W")
+SENDS = ("SEND_F", "SEND_B")
+
+
+def _spans(trace: Any) -> dict[int, dict[int, list[tuple[str, float, float]]]]:
+    """rank -> step -> [(kind, start ms, end ms)] in time order, from the trace's complete events."""
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+        raise ProfileError("the trace must be a Chrome trace object with traceEvents (pipeflow-train --trace)")
+    out: dict[int, dict[int, list[tuple[str, float, float]]]] = defaultdict(lambda: defaultdict(list))
+    for e in trace["traceEvents"]:
+        if isinstance(e, dict) and e.get("ph") == "X" and "step" in e.get("args", {}):
+            kind = str(e["name"]).rstrip("0123456789")
+            start = float(e["ts"]) / 1e3
+            out[int(e["tid"])][int(e["args"]["step"])].append((kind, start, start + float(e["dur"]) / 1e3))
+    for steps in out.values():
+        for spans in steps.values():
+            spans.sort(key=lambda s: s[1])
+    return out
+
+
+def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimizer: str = "adam") -> dict[str, float]:
+    """What the traced run of `plan` shows (module docstring): `action_ms` always, `message_ms` where ranks
+    sent (a pipeline), `link_bandwidth` where a stage has replicas (data parallelism)."""
+    if plan.virtual_stages > 1:
+        raise ProfileError(f"calibrate needs a plan with one stage per rank, found {plan.virtual_stages} chunks per "
+                           "rank (interleaved): trace a plan without --virtual-stages")
+    lay = layer_costs(profile, plan.schedule, optimizer)
+    L = len(lay)
+    per_action: list[float] = []
+    sends: list[float] = []
+    reduce: list[float] = []  # bytes/s of the replicas' all-reduce, per rank and step
+    for rank, steps in _spans(trace).items():
+        st = plan.stages[plan.stage_of_rank(rank)[0]]
+        a, b = st.layers
+        profiled = float(lay.forward_ms[a:b].sum() + lay.backward_ms[a:b].sum()) + (lay.loss_ms if b == L else 0.0)
+        p = float(lay.parameter_bytes[a:b].sum())
+        for step, spans in steps.items():
+            if step < skip:
+                continue
+            n = sum(kind == "F" for kind, _, _ in spans)
+            own = sum(end - start for kind, start, end in spans if kind in OWN)
+            own += sum(max(0.0, nxt[1] - prev[2]) for prev, nxt in zip(spans, spans[1:]))
+            sends += [end - start for kind, start, end in spans if kind in SENDS]
+            if n:
+                per_action.append((own - n * profiled) / (2 * n))
+            last_b = [end - start for kind, start, end in spans if kind == "B"][-1:]
+            step_ms = sum(end - start for kind, start, end in spans if kind == "STEP")
+            if st.replicas > 1 and p > 0 and last_b:
+                # The all-reduce starts with the last backward (reduce.py buckets it there) and ends inside
+                # STEP, before the optimizer step: the simulator's model, read backwards.
+                ms = last_b[0] + step_ms - lay.optimizer_ms_per_byte * p
+                if ms > 0:
+                    reduce.append(2 * (st.replicas - 1) / st.replicas * p / (ms / 1e3))
+    if not per_action:
+        raise ProfileError(f"the trace holds no forward after step {skip}: run pipeflow-train --trace for more "
+                           "steps on this plan")
+    out = {"action_ms": max(0.0, statistics.median(per_action))}
+    if sends:
+        out["message_ms"] = statistics.median(sends)
+    if reduce:
+        out["link_bandwidth"] = statistics.median(reduce)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m partitioner.calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("profile", help="profile.json the plan was made from")
+    p.add_argument("plan", help="plan.json that pipeflow-train ran")
+    p.add_argument("trace", help="the Chrome trace that pipeflow-train --trace wrote")
+    p.add_argument("--skip", type=int, default=2, help="first steps left out (warm-up; default 2)")
+    p.add_argument("-o", "--output", required=True, help="profile.json to write, with action_ms and message_ms")
+    args = p.parse_args(argv)
+    try:
+        if args.skip < 0:
+            raise ProfileError(f"--skip must be >= 0, found {args.skip}")
+        profile, plan = Profile.load(args.profile), Plan.load(args.plan)
+        plan.validate(num_layers=len(profile.layers))
+        found = calibrate(profile, plan, read_json(args.trace, "trace", ProfileError), skip=args.skip)
+        for key, value in found.items():  # at every microbatch size of the file: the machine's, not the size's
+            for prof in profile.at_sizes():
+                setattr(prof, key, round(value, 6) if key.endswith("_ms") else value)
+        profile.save(args.output)
+    except (ProfileError, PlanError, OSError) as e:
+        print(f"calibrate: error: {e}", file=sys.stderr)
+        return 2
+    print(f"runtime per action {found['action_ms']:.3f} ms"
+          + (f", per message sent {found['message_ms']:.3f} ms" if "message_ms" in found else "")
+          + (f", all-reduce {found['link_bandwidth'] / 1e9:.2f} GB/s" if "link_bandwidth" in found else "")
+          + f" -> {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
