@@ -56,6 +56,7 @@ class StepGuard:
         self.lagged = (not (agree_every_step and skip_nonfinite) and engine.world.device.type == "cuda"
                        and supports_device_skip(opt))
         self.pending: list[tuple[int, torch.Tensor, Any]] = []  # (step, host [bad_grad, bad_loss], event)
+        self._free: list[tuple[torch.Tensor, Any]] = []  # settled (host, event) pairs, reused by _lagged
         self._ones: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def _device_flags(self) -> torch.Tensor:
@@ -97,9 +98,11 @@ class StepGuard:
         """The sync-free check: skip on the device now, settle the previous STEP's flags on the host."""
         flags = self._device_flags()
         arm_device_skip(self.engine.optimizer, flags.max())  # float32 0. or 1.: fused optimizers skip
-        host = torch.empty(2, dtype=torch.float32, pin_memory=flags.is_cuda)
+        # A settled STEP's pinned buffer and event are reused: at most two are ever in use, none allocated per STEP.
+        host, event = self._free.pop() if self._free else (
+            torch.empty(2, dtype=torch.float32, pin_memory=flags.is_cuda),
+            torch.cuda.Event() if flags.is_cuda else None)
         host.copy_(flags, non_blocking=flags.is_cuda)
-        event = torch.cuda.Event() if flags.is_cuda else None
         if event is not None:
             event.record()
         step = self.step
@@ -115,6 +118,7 @@ class StepGuard:
         if event is not None:
             event.synchronize()  # recorded a whole STEP ago: already complete in the steady state
         bad_grad, bad_loss = (bool(x) for x in host.numpy())  # a host buffer: numpy reads it without a device sync
+        self._free.append((host, event))  # its copy has landed: free for a later STEP
         if self.agree_every_step:
             self.bad_grad, self.bad_loss = bad_grad, bad_loss
             if self._agree(step):

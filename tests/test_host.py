@@ -74,6 +74,20 @@ def test_async_lagged_guard_skips_on_the_device_exactly_and_settles_an_update_la
     assert "non-finite gradients at update 2 on stage 0: skipped (--skip-nonfinite)" in caplog.text
 
 
+def test_lagged_guard_reuses_its_flag_buffers():
+    """The lagged check copies each STEP's flags into a host buffer (pinned on a GPU) and settles it a STEP later:
+    a settled buffer is reused, so however many STEPs run, two buffers exist and none is allocated per STEP."""
+    guard, w, opt = _guard(flush=False, skip=True)
+    seen: dict[int, torch.Tensor] = {}  # the buffers themselves are kept, so that no id is reused
+    for _ in range(6):
+        w.grad = torch.ones(3, dtype=torch.float64)
+        assert guard() is True
+        opt.step()
+        seen.update((id(host), host) for _, host, _ in guard.pending)
+    guard.flush_pending()
+    assert len(seen) == 2 and guard.skipped == []
+
+
 def test_lagged_flush_guard_reads_no_tensor_on_the_host_and_sees_the_loss():
     """Flush schedules on GPUs: one multi-tensor check of the gradients plus the losses, no host read;
     a non-finite loss alone (finite gradients) skips the update on the device too."""
