@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeflow.cudaenv import eager_cuda_modules
     from pipeflow.watchdog import Watchdog, write_pid_file
 
-    eager_cuda_modules()  # before any CUDA call, planning on the spot's profiling included (comm.py says why)
+    eager_cuda_modules()  # before any CUDA call, planning on the spot's profiling included (cudaenv.py says why)
 
     comm = Control.world()  # MPI is initialised once per process, by the import
     state = ProcessState()
