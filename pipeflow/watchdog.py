@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Any
 
-from pipeflow.control import HEARTBEAT_TAG  # the MPI tag of watchdog messages on COMM_WORLD
+from pipeflow.control import HEARTBEAT_TAG, abort_comm  # the MPI tag of watchdog messages on COMM_WORLD
 from pipeflow.failure import EXIT_FAILED, say
 
 log = logging.getLogger("pipeflow.failure")  # the name these lines had before failure.py was split: log lines unchanged
@@ -122,7 +122,7 @@ class Watchdog:
         if self._stop.is_set():
             return
         say(f"pipeflow-train: error: [rank {self.rank}] rank {peer} stopped responding: {why}. Stopping all ranks.")
-        self.comm.Abort(EXIT_FAILED)
+        abort_comm(self.comm, EXIT_FAILED)
 
     def suspects(self, wait_s: float | None = None) -> list[int]:
         """Peers silent for more than three beats, waiting up to `wait_s` for one to show up: after a
