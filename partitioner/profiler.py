@@ -31,6 +31,7 @@ from partitioner.measure import (
 )
 from partitioner.profile import LayerProfile, Profile, ProfileError
 from pipeflow.data.loader import MicrobatchLoader
+from pipeflow.hostmem import keep_freed_host_memory
 from pipeflow.spec import ModelError, ModelSpec, build_model, model_dtype, parse_model_args
 from pipeflow.split import time_split_backward
 
@@ -175,7 +176,8 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     `dtype` None profiles in the model's own dtype, as pipeflow-train runs it without --dtype; floating
     inputs are cast to the dtype of the first floating-point parameter (pipeflow.stage.model_dtype).
     Each layer is measured on a deep copy, freed after, with the global CPU and CUDA generators saved and
-    restored: the user's layers and RNG are left exactly as they were."""
+    restored: the user's layers and RNG are left exactly as they were. On CPU the process's malloc is set
+    as a CPU rank's (pipeflow.hostmem.keep_freed_host_memory), for good: it is timed as the ranks run."""
     if dtype is not None and dtype not in DTYPES:
         raise ProfileError(f"--dtype must be one of {', '.join(DTYPES)}, found {dtype!r}")
     if warmup < 0 or repeats < 1:
@@ -184,6 +186,8 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ProfileError("--device cuda, but torch sees no CUDA device; use --device cpu")
     torch_dtype = DTYPES[dtype] if dtype is not None else None
+    if dev.type == "cpu":
+        keep_freed_host_memory()
     model = nn.ModuleList(spec.layers)
     in_dtype = torch_dtype or model_dtype(model)
     name = dtype or _dtype_name(in_dtype or torch.float32)

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_leaves
 from pipeflow.bufpool import BufferPool
 from pipeflow.control import META_TAG  # the shape/dtype messages; MPI keeps one (source, tag)'s in order
 from pipeflow.cudaenv import eager_cuda_modules
+from pipeflow.hostmem import keep_freed_host_memory
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ def init_world(*, device: str = "auto", timeout_s: float = 300.0) -> World:
         torch.cuda.set_device(local_rank)
         dev, backend = torch.device("cuda", local_rank), "nccl"
     elif device == "cpu":
+        keep_freed_host_memory()  # no page faults for every step's fresh tensors (hostmem.py)
         dev, backend = torch.device("cpu"), "gloo"
     else:
         raise ValueError(f"--device must be auto, cpu or cuda, found {device!r}")
