@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+from pipeflow.hostmem import keep_freed_host_memory
+
 # A rank under mpirun runs one torch thread per process on CPU (issue 13: the profile taken with 2 threads
 # predicted 2x the speed training got); pipeflow-profile times the layers the same way unless told otherwise.
 RANK_THREADS = 1
@@ -92,11 +94,14 @@ class Timer:
 
 
 @contextmanager
-def torch_threads(n: int | None) -> Iterator[None]:
-    """Run with `n` torch intra-op threads (None: as the process is), restoring the count after."""
+def as_a_rank(device: torch.device, threads: int | None) -> Iterator[None]:
+    """Time as a rank runs: with `threads` torch intra-op threads (None: as the process is; the count is restored
+    after) and, on CPU, freed memory kept for reuse (pipeflow.hostmem; for good, as in a rank)."""
+    if device.type == "cpu":
+        keep_freed_host_memory()
     before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
         yield
     finally:

@@ -15,6 +15,7 @@ from torch import nn
 from partitioner.measure import (
     RANK_THREADS,
     Timer,
+    as_a_rank,
     cast_floats_to,
     free_cached,
     gpu_link_bandwidth,
@@ -27,11 +28,9 @@ from partitioner.measure import (
     spread,
     tensors,
     time_loss,
-    torch_threads,
 )
 from partitioner.profile import LayerProfile, Profile, ProfileError
 from pipeflow.data.loader import MicrobatchLoader
-from pipeflow.hostmem import keep_freed_host_memory
 from pipeflow.spec import ModelError, ModelSpec, build_model, model_dtype, parse_model_args
 from pipeflow.split import time_split_backward
 
@@ -118,10 +117,6 @@ def profile_layer(layer: nn.Module, x: Any, *, device: torch.device, dtype: torc
     return stats, out
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _sandbox_copy(layer: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
     """A private copy of `layer` to measure, in train mode on the device (torchgpipe's training_sandbox):
     the user's layer keeps its parameters, buffers (BatchNorm statistics), device, dtype and mode."""
@@ -176,8 +171,8 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     `dtype` None profiles in the model's own dtype, as pipeflow-train runs it without --dtype; floating
     inputs are cast to the dtype of the first floating-point parameter (pipeflow.stage.model_dtype).
     Each layer is measured on a deep copy, freed after, with the global CPU and CUDA generators saved and
-    restored: the user's layers and RNG are left exactly as they were. On CPU the process's malloc is set
-    as a CPU rank's (pipeflow.hostmem.keep_freed_host_memory), for good: it is timed as the ranks run."""
+    restored: the user's layers and RNG are left exactly as they were. On CPU freed memory is kept from then on,
+    as in a rank (measure.as_a_rank)."""
     if dtype is not None and dtype not in DTYPES:
         raise ProfileError(f"--dtype must be one of {', '.join(DTYPES)}, found {dtype!r}")
     if warmup < 0 or repeats < 1:
@@ -186,16 +181,14 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ProfileError("--device cuda, but torch sees no CUDA device; use --device cpu")
     torch_dtype = DTYPES[dtype] if dtype is not None else None
-    if dev.type == "cpu":
-        keep_freed_host_memory()
     model = nn.ModuleList(spec.layers)
     in_dtype = torch_dtype or model_dtype(model)
-    name = dtype or _dtype_name(in_dtype or torch.float32)
+    name = dtype or str(in_dtype or torch.float32).removeprefix("torch.")
     cuda_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
     layers = []
     timer = Timer(dev)
     # fork_rng restores the CPU and this GPU's generators
-    with torch.random.fork_rng(devices=cuda_devices), torch_threads(threads):
+    with torch.random.fork_rng(devices=cuda_devices), as_a_rank(dev, threads):
         _check_microbatch_fits(spec, microbatch_size, dev, in_dtype, seed)
         x, y = MicrobatchLoader(spec.dataset, microbatch_size, seed=seed).microbatch(0)
         x = cast_floats_to(x, in_dtype)

@@ -30,8 +30,9 @@ FORMATS = {"pipeflow.schedule", "pipeflow.actions", "pipeflow.kinds", "pipeflow.
 # (actions, the schedule kind table, the generators), which the simulator replays; and for the profiler
 # alone, the model contract it profiles (pipeflow.spec: ModelSpec, build_model) and the data order it
 # feeds (pipeflow.data.loader: MicrobatchLoader), and the B/W split it times (pipeflow.split).
+# pipeflow.hostmem: the CPU ranks' malloc setting (ctypes only), which measurement takes on to time as a rank runs.
 PARTITIONER_MAY_IMPORT = {"pipeflow.schedule", "pipeflow.actions", "pipeflow.kinds", "pipeflow.zerobubble",
-                         "pipeflow.interleave", "pipeflow.warmup"}
+                         "pipeflow.interleave", "pipeflow.warmup", "pipeflow.hostmem"}
 PROFILER_MAY_IMPORT = PARTITIONER_MAY_IMPORT | {"pipeflow.spec", "pipeflow.data.loader", "pipeflow.split"}
 # The communication modules, the only ones that may import mpi4py or torch.distributed: pipeflow.comm (the
 # point-to-point channels and process groups of torch.distributed, and MPI's bootstrap of them) and

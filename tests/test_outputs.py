@@ -2,6 +2,7 @@
 and a final --save that fails without losing the weights. Disk-full and read-only cases mount a tmpfs (root)."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -252,6 +253,8 @@ def tiny_mount(d: Path) -> Path:
                               text=True)
         if proc.returncode == 0:
             MOUNTED.append(tiny)
+            # also at exit: a session ended before this module (-x, a deselection) never runs its fixture
+            atexit.register(subprocess.run, ["umount", "-l", str(tiny)], check=False, capture_output=True)
             return tiny
         why = f"cannot mount a tmpfs (needs root with CAP_SYS_ADMIN): {proc.stderr.strip()}"
     (d / "no-tmpfs").write_text(why)
