@@ -2,6 +2,7 @@
 
     python benchmarks/planner/accuracy.py              # the table of benchmarks/planner/README.md
     python benchmarks/planner/accuracy.py --quick      # the first case only
+    python benchmarks/planner/accuracy.py --global-batch 64   # the microbatch size pipeflow-plan picks
 
 Each case runs the three commands a user runs: `pipeflow-profile` (1 torch thread, as a rank), `pipeflow-plan`
 (the simulator's step time is `predicted.step_ms` in plan.json) and `mpirun -np N pipeflow-train --plan` (the
@@ -137,18 +138,65 @@ def calibration(tmp: Path) -> dict[str, float]:
     return found
 
 
+def global_batch(runtime: dict[str, float], g: int, sizes: list[int], runs: int) -> None:
+    """The microbatch size as the planner's decision (`pipeflow-plan --global-batch G`): the gpt case profiled
+    at every size in one pipeflow-profile run, each size planned at m = G / b from its part of that profile
+    and trained, and the size `--global-batch` picked from the whole profile."""
+    model, args, workers, _, _, schedule, steps = CASES[3]
+    py = sys.executable
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        wait_idle()
+        run([py, "-m", "partitioner.profiler", "--model", model, "--model-args", json.dumps(args),
+             "--microbatch-sizes", ",".join(map(str, sizes)), "--device", "cpu", "--threads", "1", "--repeats",
+             "10", "-o", "profile.json"], tmp)
+        whole = {**json.loads((tmp / "profile.json").read_text()), **runtime}
+        (tmp / "all.json").write_text(json.dumps(whole))
+        run([py, "-m", "partitioner.cli", "all.json", "--workers", str(workers), "--schedule", schedule,
+             "--global-batch", str(g), "-o", "picked.json"], tmp)
+        picked = json.loads((tmp / "picked.json").read_text())["planner"]["microbatch_size"]
+        parts = [{k: v for k, v in whole.items() if k != "other_microbatch_sizes"},
+                 *({**o, **runtime} for o in whole.get("other_microbatch_sizes", []))]
+        rows = []
+        for part in sorted(parts, key=lambda q: q["microbatch_size"]):
+            b = part["microbatch_size"]
+            (tmp / "one.json").write_text(json.dumps(part))
+            run([py, "-m", "partitioner.cli", "one.json", "--workers", str(workers), "--schedule", schedule,
+                 "--microbatches", str(g // b), "-o", f"b{b}.json"], tmp)
+            plan = json.loads((tmp / f"b{b}.json").read_text())
+            meas = train(model, args, workers, b, g // b, steps, f"b{b}.json", tmp, runs=runs)
+            rows.append((b, "-".join(str(st["replicas"]) for st in plan["stages"]),
+                         float(plan["predicted"]["step_ms"]), meas))
+    best = min(meas for *_, meas in rows)
+    print(f"\n{model} {json.dumps(args)}, {workers} workers, {schedule}, {g} samples per step; `--global-batch {g}` "
+          f"picked b = {picked}")
+    print("| b x m | replicas per stage | predicted ms | measured ms | error | measured / fastest |")
+    print("|---|---|---:|---:|---:|---:|")
+    for b, shape, pred, meas in rows:
+        mark = " (picked)" if b == picked else ""
+        print(f"| {b} x {g // b}{mark} | {shape} | {pred:.2f} | {meas:.2f} | {100 * (pred / meas - 1):+.0f}% | "
+              f"{meas / best:.3f} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--runs", type=int, default=3, help="training runs per case; the fastest counts (default 3)")
     p.add_argument("--concurrent-profile", action="store_true",
                    help="profile in as many processes at once as the case has ranks (the conditions of training)")
+    p.add_argument("--global-batch", type=int, default=None, metavar="G",
+                   help="instead of the cases: the gpt case at G samples per step, every microbatch size of "
+                        "--sizes measured, and the one pipeflow-plan --global-batch picks")
+    p.add_argument("--sizes", default="4,8,16,32", help="microbatch sizes for --global-batch (default 4,8,16,32)")
     a = p.parse_args()
     global CONCURRENT
     CONCURRENT = a.concurrent_profile
     print(f"# load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory() as d:
         runtime = calibration(Path(d))
+    if a.global_batch is not None:
+        global_batch(runtime, a.global_batch, [int(x) for x in a.sizes.split(",")], a.runs)
+        return
     print("| model | workers | schedule | b x m | replicas per stage | predicted ms, profile only | predicted ms, "
           "calibrated | measured ms | error, profile only | error, calibrated |")
     print("|---|---:|---|---|---|---:|---:|---:|---:|---:|")
