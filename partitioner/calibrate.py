@@ -18,15 +18,23 @@ over loopback, far from the 10 GB/s default topology:
 
     link_bandwidth = 2 (r-1)/r * P / (last B + STEP - optimizer step)   (bytes/s)
 
-(the simulator starts the all-reduce with the last backward and ends it before the optimizer step). The
-first `--skip` steps (warm-up) are left out. The numbers go into profile.json (`action_ms`, `message_ms`,
-`link_bandwidth`); the planner adds the first two to every stage (costmodel.LayerCosts.stage_overhead_ms)
-and plans on the third without --topology. They are properties of the machine and the runtime, so the
-calibration runs serve the other models planned on that machine.
+(the simulator starts the all-reduce with the last backward and ends it before the optimizer step). On a
+pipeline under a flush schedule, what the run still took beyond the simulation with those costs (the
+receiver's wait for a message past its send: gloo's I/O threads, scheduling, the step boundary's
+agreement) is read as a latency per message:
+
+    latency_ms = the value at which the simulated step time of the plan equals the traced one
+
+(bisection; 0 when the simulation is already as slow). The first `--skip` steps (warm-up) are left out. The
+numbers go into profile.json (`action_ms`, `message_ms`, `link_bandwidth`, `latency_ms`); the planner adds
+the first two to every stage (costmodel.LayerCosts.stage_overhead_ms), plans on the third without
+--topology, and the simulator delays every message by the fourth (off the links). They are properties of
+the machine and the runtime, so the calibration runs serve the other models planned on that machine.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 from collections import defaultdict
@@ -36,6 +44,7 @@ from partitioner.jsonfile import read_json
 from partitioner.plan import Plan, PlanError
 from partitioner.profile import Profile, ProfileError
 from partitioner.service import layer_costs
+from pipeflow.kinds import schedule_kind
 
 OWN = ("F", "B", "W")
 SENDS = ("SEND_F", "SEND_B")
@@ -98,7 +107,47 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
         out["message_ms"] = statistics.median(sends)
     if reduce:
         out["link_bandwidth"] = statistics.median(reduce)
+    period = _step_period_ms(trace, skip)
+    if sends and schedule_kind(plan.schedule).flush and period is not None:
+        out["latency_ms"] = _latency_ms(profile, plan, out, period, optimizer)
     return out
+
+
+def _step_period_ms(trace: Any, skip: int) -> float | None:
+    """The traced run's step time: the median over ranks and steps of one step's first span to the next's."""
+    periods = []
+    for steps in _spans(trace).values():
+        starts = sorted((step, spans[0][1]) for step, spans in steps.items() if step >= skip and spans)
+        periods += [b - a for (k, a), (k2, b) in zip(starts, starts[1:]) if k2 == k + 1]
+    return statistics.median(periods) if periods else None
+
+
+def _latency_ms(profile: Profile, plan: Plan, found: dict[str, float], period_ms: float, optimizer: str) -> float:
+    """The per-message latency at which the simulator, with the other calibrated costs, gives the traced
+    run's step time (bisection: the simulated step time never decreases with it); 0 when it already does."""
+    from partitioner.service import evaluate_plan
+
+    calibrated = copy.deepcopy(profile)
+    for key, value in found.items():
+        setattr(calibrated, key, value)
+
+    def step_ms(latency: float) -> float:
+        calibrated.latency_ms = latency
+        return float(evaluate_plan(calibrated, plan, optimizer=optimizer).plan.predicted["step_ms"])
+
+    lo, hi = 0.0, max(0.0, period_ms - step_ms(0.0))
+    if hi == 0.0:
+        return 0.0
+    for _ in range(30):  # a message on the critical path: the simulated step grows with the latency
+        if step_ms(hi) >= period_ms:
+            break
+        lo, hi = hi, 2 * hi
+    else:
+        return 0.0  # no message is on the critical path: latency explains nothing
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if step_ms(mid) < period_ms else (lo, mid)
+    return (lo + hi) / 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"runtime per action {found['action_ms']:.3f} ms"
           + (f", per message sent {found['message_ms']:.3f} ms" if "message_ms" in found else "")
           + (f", all-reduce {found['link_bandwidth'] / 1e9:.2f} GB/s" if "link_bandwidth" in found else "")
+          + (f", latency per message {found['latency_ms']:.3f} ms" if "latency_ms" in found else "")
           + f" -> {args.output}")
     return 0
 

@@ -68,12 +68,13 @@ class LayerCosts:
     backward_weight_ms: np.ndarray | None = None  # the W share of backward_ms (zero-bubble schedules)
     action_ms: float = 0.0  # the runtime's own time per forward and per backward of a stage (profile.action_ms)
     message_ms: float = 0.0  # the sender's time per message to a neighbouring stage (profile.message_ms)
+    latency_ms: float = 0.0  # a message's delay beyond bytes / bandwidth (profile.latency_ms; simulator only)
 
     @classmethod
     def of(cls, forward_ms: Sequence[float], backward_ms: Sequence[float], output_bytes: Sequence[float],
            activation_bytes: Sequence[float], parameter_bytes: Sequence[float], *, loss_ms: float = 0.0,
            optimizer_ms_per_byte: float = 0.0, backward_weight_ms: Sequence[float] | None = None,
-           action_ms: float = 0.0, message_ms: float = 0.0) -> LayerCosts:
+           action_ms: float = 0.0, message_ms: float = 0.0, latency_ms: float = 0.0) -> LayerCosts:
         cols = [np.asarray(c, dtype=np.float64) for c in
                 (forward_ms, backward_ms, output_bytes, activation_bytes, parameter_bytes)]
         if len({len(c) for c in cols}) != 1 or len(cols[0]) == 0:
@@ -81,7 +82,7 @@ class LayerCosts:
                                 f"{[len(c) for c in cols]}")
         weight = None if backward_weight_ms is None else np.minimum(np.asarray(backward_weight_ms, np.float64), cols[1])
         return cls(cols[0], cols[1], cols[2], cols[3], cols[4], float(loss_ms), float(optimizer_ms_per_byte), weight,
-                   float(action_ms), float(message_ms))
+                   float(action_ms), float(message_ms), float(latency_ms))
 
     def __len__(self) -> int:
         return len(self.forward_ms)

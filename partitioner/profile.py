@@ -8,8 +8,9 @@ backward per microbatch) and `optimizer_ms_per_byte` ({"adam": ..., "sgd": ...}:
 parameter byte). The planner uses them when present and counts them as 0 (or backward_ms) when absent;
 an absent `backward_weight_ms` is estimated (Profile.weight_column). Also optional at the top, the
 runtime's own costs on this machine (`python -m partitioner.calibrate`, from a traced run):
-`action_ms`, added to every forward and backward of a stage, and `message_ms`, the sender's time per
-message to a neighbouring stage.
+`action_ms`, added to every forward and backward of a stage, `message_ms`, the sender's time per
+message to a neighbouring stage, and `latency_ms`, the time a message takes beyond bytes / bandwidth until
+the receiver can use it (it does not hold the link).
 
 On CUDA with more than one GPU visible, the optional `link_bandwidth` (bytes/s, measured GPU to GPU) is the
 default topology of pipeflow-plan when --topology is not given; on CPU partitioner.calibrate writes it (the
@@ -33,7 +34,7 @@ from partitioner.jsonfile import check_fields, field_problem, read_json, write_j
 PROFILE_FORMAT = "pipeflow.profile/1"
 LAYER_NUMBERS = ("forward_ms", "backward_ms", "output_bytes", "activation_bytes", "parameter_bytes")
 OPTIONAL_LAYER_NUMBERS = ("backward_accumulate_ms", "backward_weight_ms")
-RUNTIME_NUMBERS = ("action_ms", "message_ms")  # optional, at the top
+RUNTIME_NUMBERS = ("action_ms", "message_ms", "latency_ms")  # optional, at the top
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 # Upper bounds of a plausible measurement: sums over layers and microbatches must stay finite in float64
 # (a time of 1e308 ms overflows to inf once multiplied by m and used to look like "no plan").
@@ -93,6 +94,7 @@ class Profile:
     link_bandwidth: float | None = None  # bytes/s between two devices, measured (CUDA, >1 GPU)
     action_ms: float | None = None  # the runtime's own time per forward or backward of a stage (calibrated)
     message_ms: float | None = None  # the sender's time per message between stages (calibrated)
+    latency_ms: float | None = None  # a message's delay beyond bytes / bandwidth, off the link (calibrated)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -204,7 +206,7 @@ class Profile:
             return cls(d["model"], d.get("model_args", {}), d["device"], d["dtype"], d["microbatch_size"], layers,
                        d.get("loss_ms"), d.get("optimizer_ms_per_byte", {}), others,
                        link_bandwidth=d.get("link_bandwidth"), action_ms=d.get("action_ms"),
-                       message_ms=d.get("message_ms"))
+                       message_ms=d.get("message_ms"), latency_ms=d.get("latency_ms"))
         except ProfileError as e:
             # __post_init__ validated with the default source name; say which file.
             raise ProfileError(str(e).replace("profile: ", f"{source}: ", 1)) from None

@@ -65,7 +65,7 @@ def layer_costs(profile: Profile, schedule: str, optimizer: str) -> LayerCosts:
                          profile.column("parameter_bytes"), loss_ms=profile.loss_ms or 0.0,
                          optimizer_ms_per_byte=profile.optimizer_ms_per_byte.get(optimizer, 0.0),
                          backward_weight_ms=profile.weight_column(), action_ms=profile.action_ms or 0.0,
-                         message_ms=profile.message_ms or 0.0)
+                         message_ms=profile.message_ms or 0.0, latency_ms=profile.latency_ms or 0.0)
 
 
 def _explain(model: CostModel, workers: int) -> PlanningError:

@@ -5,7 +5,8 @@ What the replay charges, as the runtime does it (pipeflow/comm.py, pipeflow/redu
 - links: each worker has one send port and one receive port (full duplex). A message occupies the sender's
   send port and the receiver's receive port for bytes / bandwidth of the lowest topology level that holds
   both, so all transfers through a worker share its bandwidth (three replicas feeding one worker queue at
-  its receive port). Sends are non-blocking: they overlap compute. Ports serve messages in time order;
+  its receive port), and reaches the receiver StageCost.latency_ms later (calibrated; 0 by default). Sends
+  are non-blocking: they overlap compute. Ports serve messages in time order;
 - STEP: the replicas' ring all-reduce (2 (r-1)/r * P / B per topology level) is bucketed into the last
   backward, so it starts when every replica has started its last backward and ends no earlier than it
   ends; then the local optimizer step.
@@ -42,6 +43,7 @@ class StageCost:
     optimizer_ms: float = 0.0
     output_bytes: float = 0.0
     weight_ms: float = 0.0  # the W share of backward_ms, run apart where the schedule splits the backward
+    latency_ms: float = 0.0  # each message's delay beyond bytes / bandwidth, after which the receiver has it
 
 
 @dataclass
@@ -164,10 +166,10 @@ def replay(sched: Schedule, stages: Sequence[StageCost], *, ranks: Sequence[Sequ
                 t0 = max(clock[w], send_free[w], recv_free[peer])
                 send_free[w] = recv_free[peer] = t0 + d
                 key = (peer, kind.direction, t, i)
-                arrival[key] = t0 + d
+                arrival[key] = got_at = t0 + d + stages[min(s, t)].latency_ms  # latency: off the ports
                 if key in parked:
                     del parked[key]
-                    heapq.heappush(heap, (max(clock[peer], t0 + d), peer))
+                    heapq.heappush(heap, (max(clock[peer], got_at), peer))
             elif kind is Kind.STEP:
                 group = (g, steps[w])
                 start = clock[w]

@@ -70,7 +70,7 @@ def random_profile(rng: random.Random, n: int) -> Profile:
                    loss_ms=rng.choice([None, rng.uniform(0, 2)]), optimizer_ms_per_byte=opt)
     # The runtime's own costs (calibrated on CPU), in a third of the cases: they change which plan wins.
     if rng.random() < 1 / 3:
-        prof.action_ms, prof.message_ms = rng.uniform(0, 1), rng.uniform(0, 2)
+        prof.action_ms, prof.message_ms, prof.latency_ms = rng.uniform(0, 1), rng.uniform(0, 2), rng.uniform(0, 3)
     return prof
 
 

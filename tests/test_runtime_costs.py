@@ -79,10 +79,10 @@ def test_round_trip_and_validation(tmp_path: Path) -> None:
         Profile.load(path)
 
 
-def trace(spans: dict[int, list[tuple[str, float, float]]], steps: int) -> dict[str, Any]:
+def trace(spans: dict[int, list[tuple[str, float, float]]], steps: int, period: float = 100.0) -> dict[str, Any]:
     """A Chrome trace as pipeflow-train writes it: the same spans (name, start ms, duration ms) per step,
-    steps 100 ms apart."""
-    events = [{"name": name, "ph": "X", "pid": 0, "tid": rank, "ts": (100.0 * s + t) * 1e3, "dur": d * 1e3,
+    steps `period` ms apart."""
+    events = [{"name": name, "ph": "X", "pid": 0, "tid": rank, "ts": (period * s + t) * 1e3, "dur": d * 1e3,
                "args": {"step": s}} for rank, xs in spans.items() for s in range(steps) for name, t, d in xs]
     return {"traceEvents": [{"name": "process_name", "ph": "M", "pid": 0}, *events]}
 
@@ -93,7 +93,8 @@ def test_calibrate_reads_dispatch_and_sends_from_the_trace(tmp_path: Path) -> No
     spans = {0: [("F0", 0.0, 1.5), ("SEND_F0", 1.5, 0.3), ("WAIT_B0", 1.8, 2.2), ("B0", 4.0, 1.5), ("STEP", 5.7, 1.0)],
              1: [("WAIT_F0", 0.0, 1.8), ("F0", 1.8, 1.4), ("B0", 3.2, 1.4), ("SEND_B0", 4.6, 0.3), ("STEP", 4.9, 1.0)]}
     prof, plan = profile(), straight("gpipe", 1)
-    assert calibrate(prof, plan, trace(spans, 5), skip=2) == pytest.approx({"action_ms": 0.5, "message_ms": 0.3})
+    found = calibrate(prof, plan, trace(spans, 5), skip=2)
+    assert {k: found[k] for k in ("action_ms", "message_ms")} == pytest.approx({"action_ms": 0.5, "message_ms": 0.3})
     prof.others = [Profile("m", {}, "cpu", "float32", 2, [LayerProfile(f"l{i}", 2.0, 2.0, 0, 0, 0) for i in range(2)])]
     # Rank 1: own 2.8 with no gap -> 0.4; the median over both ranks' steps 2-4 is 0.5.
     (tmp_path / "t.json").write_text(json.dumps(trace(spans, 5)))
@@ -105,6 +106,38 @@ def test_calibrate_reads_dispatch_and_sends_from_the_trace(tmp_path: Path) -> No
     assert (out.action_ms, out.message_ms) == pytest.approx((0.5, 0.3))
     # Written at every microbatch size the file holds (pipeflow-plan --global-batch plans each).
     assert (out.others[0].action_ms, out.others[0].message_ms) == pytest.approx((0.5, 0.3))
+
+
+def test_calibrated_latency_makes_the_simulation_take_the_traced_step_time() -> None:
+    # The same spans, steps 100 ms apart: what the simulation with the calibrated action and message costs
+    # leaves of the 100 ms is read as a latency per message, at which the simulated step takes 100 ms.
+    spans = {0: [("F0", 0.0, 1.5), ("SEND_F0", 1.5, 0.3), ("WAIT_B0", 1.8, 2.2), ("B0", 4.0, 1.5), ("STEP", 5.7, 1.0)],
+             1: [("WAIT_F0", 0.0, 1.8), ("F0", 1.8, 1.4), ("B0", 3.2, 1.4), ("SEND_B0", 4.6, 0.3), ("STEP", 4.9, 1.0)]}
+    prof, plan = profile(), straight("1f1b", 1)
+    found = calibrate(prof, plan, trace(spans, 5), skip=2)
+    without = evaluate_plan(profile(action_ms=found["action_ms"], message_ms=found["message_ms"]), plan)
+    assert without.plan.predicted["step_ms"] < 10  # the traced 100 ms are mostly unexplained
+    with_latency = evaluate_plan(profile(**found), plan)
+    assert with_latency.plan.predicted["step_ms"] == pytest.approx(100.0, abs=1e-6)
+    # One microbatch through two stages: its activation and its gradient lie on the critical path.
+    assert found["latency_ms"] == pytest.approx((100.0 - without.plan.predicted["step_ms"]) / 2, abs=1e-6)
+    # A run no slower than its simulation has no latency to explain.
+    assert calibrate(prof, plan, trace(spans, 5, period=without.plan.predicted["step_ms"]), skip=2)["latency_ms"] == 0.0
+
+
+def test_latency_delays_the_receiver_but_does_not_hold_the_link() -> None:
+    # Two stages, 4 microbatches, messages of 1 ms on the link: a latency of 5 ms delays each stage-1 forward
+    # by 5 ms, but the sender's next message still leaves 1 ms after the last (the link is free).
+    from partitioner.simulate import StageCost, simulate
+
+    base = [StageCost(1.0, 2.0, send_ms=1.0), StageCost(1.0, 2.0)]
+    late = [StageCost(1.0, 2.0, send_ms=1.0, latency_ms=5.0), StageCost(1.0, 2.0)]
+    t0 = simulate("gpipe", base, microbatches=4, keep_timeline=True)
+    t1 = simulate("gpipe", late, microbatches=4, keep_timeline=True)
+    f1 = sorted(iv.start for iv in t0.timeline if iv.worker == 1 and iv.kind == "F")
+    g1 = sorted(iv.start for iv in t1.timeline if iv.worker == 1 and iv.kind == "F")
+    assert [b - a for a, b in zip(f1, g1)] == pytest.approx([5.0] * 4)
+    assert t1.step_ms == pytest.approx(t0.step_ms + 2 * 5.0)  # the first forward's and the last gradient's
 
 
 def test_calibrate_refuses_a_trace_without_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

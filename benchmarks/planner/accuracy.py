@@ -10,9 +10,9 @@ steady-state samples/s it logs, steps 3 on, give the measured step time m * b / 
 --runs runs). Each command waits for the CPUs to be idle (>= 90 %, other users between their jobs); the load
 average is printed before and after: on a shared machine the measured times are not the model's.
 
-First, once, the runtime's own costs on this machine are calibrated (partitioner/calibrate.py) from two
-traced runs of the first case: `action_ms` and `message_ms` from a straight pipeline, `link_bandwidth` (the
-all-reduce between ranks) from data parallelism. Every case is then planned twice, from its profile as
+First, once, the runtime's own costs on this machine are calibrated (partitioner/calibrate.py) from traced
+runs of the first case, the median of --runs each: `action_ms`, `message_ms` and `latency_ms` from a
+straight pipeline, `link_bandwidth` (the all-reduce between ranks) from data parallelism. Every case is then planned twice, from its profile as
 pipeflow-profile wrote it ("profile only") and with the three calibrated numbers added ("calibrated"), and
 trained on the calibrated plan.
 """
@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -115,9 +116,10 @@ def _train(model: str, args: dict[str, object], workers: int, b: int, m: int, st
     return m * b / float(found[-1]) * 1e3
 
 
-def calibration(tmp: Path) -> dict[str, float]:
-    """action_ms and message_ms from a traced run of the first case as a straight pipeline (every stage
-    sends), link_bandwidth (the all-reduce between ranks) from a traced data-parallel run of it."""
+def calibration(tmp: Path, runs: int) -> dict[str, float]:
+    """action_ms and message_ms from traced runs of the first case as a straight pipeline (every stage
+    sends), link_bandwidth (the all-reduce between ranks) from traced data-parallel runs of it: each the
+    median of `runs` runs (one run's reading moved by ±25 % between runs on this machine)."""
     model, args, workers, b, m, schedule, steps = CASES[0]
     py = sys.executable
     profile(model, args, b, workers if CONCURRENT else 1, tmp)
@@ -125,16 +127,19 @@ def calibration(tmp: Path) -> dict[str, float]:
          "--microbatches", str(m), "--straight", "-o", "straight.json"], tmp)
     layers = len(json.loads((tmp / "profile.json").read_text())["layers"])
     Plan(schedule, m, workers, [StagePlan((0, layers), workers, list(range(workers)))]).save(tmp / "replicas.json")
-    found: dict[str, float] = {}
+    readings: dict[str, list[float]] = {"action_ms": [], "message_ms": [], "latency_ms": [], "link_bandwidth": []}
     for plan in ("straight.json", "replicas.json"):
-        train(model, args, workers, b, m, steps, plan, tmp, "--trace", "trace.json")
-        out = run([py, "-m", "partitioner.calibrate", "profile.json", plan, "trace.json", "-o", "calibrated.json"], tmp)
-        print(f"# calibration ({model} {json.dumps(args)}, {schedule}, {plan}, traced): {out.strip()}", flush=True)
-        got = json.loads((tmp / "calibrated.json").read_text())
-        if plan == "straight.json":
-            found.update(action_ms=got["action_ms"], message_ms=got["message_ms"])
-        else:
-            found["link_bandwidth"] = got["link_bandwidth"]
+        for _ in range(runs):
+            (tmp / "trace.json").unlink(missing_ok=True)  # a resumed trace appends: each run its own
+            train(model, args, workers, b, m, steps, plan, tmp, "--trace", "trace.json")
+            out = run([py, "-m", "partitioner.calibrate", "profile.json", plan, "trace.json", "-o", "calibrated.json"],
+                      tmp)
+            print(f"# calibration ({model} {json.dumps(args)}, {schedule}, {plan}, traced): {out.strip()}", flush=True)
+            got = json.loads((tmp / "calibrated.json").read_text())
+            for key in ("action_ms", "message_ms", "latency_ms") if plan == "straight.json" else ("link_bandwidth",):
+                readings[key].append(got[key])
+    found = {key: statistics.median(values) for key, values in readings.items()}
+    print(f"# calibrated (medians): {json.dumps(found)}", flush=True)
     return found
 
 
@@ -193,7 +198,7 @@ def main() -> None:
     CONCURRENT = a.concurrent_profile
     print(f"# load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory() as d:
-        runtime = calibration(Path(d))
+        runtime = calibration(Path(d), a.runs)
     if a.global_batch is not None:
         global_batch(runtime, a.global_batch, [int(x) for x in a.sizes.split(",")], a.runs)
         return
