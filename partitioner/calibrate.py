@@ -43,7 +43,7 @@ from typing import Any
 from partitioner.jsonfile import read_json
 from partitioner.plan import Plan, PlanError
 from partitioner.profile import Profile, ProfileError
-from partitioner.service import layer_costs
+from partitioner.service import evaluate_plan, layer_costs
 from pipeflow.kinds import schedule_kind
 
 OWN = ("F", "B", "W")
@@ -125,8 +125,6 @@ def _step_period_ms(trace: Any, skip: int) -> float | None:
 def _latency_ms(profile: Profile, plan: Plan, found: dict[str, float], period_ms: float, optimizer: str) -> float:
     """The per-message latency at which the simulator, with the other calibrated costs, gives the traced
     run's step time (bisection: the simulated step time never decreases with it); 0 when it already does."""
-    from partitioner.service import evaluate_plan
-
     calibrated = copy.deepcopy(profile)
     for key, value in found.items():
         setattr(calibrated, key, value)
