@@ -21,8 +21,8 @@ def keep_freed_host_memory(environ: Mapping[str, str] = os.environ) -> bool:
     By default glibc maps every block above its mmap threshold (at most 32 MiB) afresh and unmaps it when freed,
     and returns the heap's free top to the OS: every step's gradients, optimizer temporaries and large
     activations then fault their pages back in, zeroed by the kernel. On the 2-core test machine that made Adam
-    on three 2048 x 2048 layers take 44 ms instead of 22 and a pipelined hidden-2048 mlp train at 582
-    samples/s instead of 704 (benchmarks/planner/README.md). The process keeps its peak host memory, as
+    on three 2048 x 2048 layers take 44 ms instead of 22 and a pipelined hidden-2048 mlp train at 541-573
+    samples/s instead of 665-675 (benchmarks/planner/README.md). The process keeps its peak host memory, as
     torch's CUDA caching allocator keeps device memory. CPU ranks and CPU profiling call it, so that the
     profile is timed as the ranks run."""
     preloaded = "malloc" in environ.get("LD_PRELOAD", "")  # jemalloc, tcmalloc, mimalloc: another allocator

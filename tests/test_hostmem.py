@@ -10,8 +10,8 @@ import pytest
 
 from pipeflow.hostmem import keep_freed_host_memory
 
-glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
-                           reason="glibc's malloc only")
+glibc = pytest.mark.skipif("CS_GNU_LIBC_VERSION" not in os.confstr_names
+                           or not os.confstr("CS_GNU_LIBC_VERSION"), reason="glibc's malloc only")
 
 # After SETUP, prints whether glibc (1) keeps a freed 120 KiB block at the heap's top instead of trimming it
 # back to the OS and (2) serves a 64 MiB block from the heap instead of mapping it afresh (and unmapping it when
