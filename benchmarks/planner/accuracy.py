@@ -12,9 +12,9 @@ average is printed before and after: on a shared machine the measured times are 
 
 First, once, the runtime's own costs on this machine are calibrated (partitioner/calibrate.py) from traced
 runs of the first case, the median of --runs each: `action_ms`, `message_ms` and `latency_ms` from a
-straight pipeline, `link_bandwidth` (the all-reduce between ranks) from data parallelism. Every case is then planned twice, from its profile as
-pipeflow-profile wrote it ("profile only") and with the three calibrated numbers added ("calibrated"), and
-trained on the calibrated plan.
+straight pipeline, `link_bandwidth` (the all-reduce between ranks) from data parallelism. Every case is
+then planned twice, from its profile as pipeflow-profile wrote it ("profile only") and with the four
+calibrated numbers added ("calibrated"), and trained on the calibrated plan.
 """
 from __future__ import annotations
 
@@ -117,8 +117,8 @@ def _train(model: str, args: dict[str, object], workers: int, b: int, m: int, st
 
 
 def calibration(tmp: Path, runs: int) -> dict[str, float]:
-    """action_ms and message_ms from traced runs of the first case as a straight pipeline (every stage
-    sends), link_bandwidth (the all-reduce between ranks) from traced data-parallel runs of it: each the
+    """action_ms, message_ms and latency_ms from traced runs of the first case as a straight pipeline (every
+    stage sends), link_bandwidth (the all-reduce between ranks) from traced data-parallel runs of it: each the
     median of `runs` runs (one run's reading moved by ±25 % between runs on this machine)."""
     model, args, workers, b, m, schedule, steps = CASES[0]
     py = sys.executable
