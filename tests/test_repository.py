@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Written in pieces so that this file does not match itself.
 OUTSIDE = re.compile("|".join(re.escape(s) for s in ("../" + "shared", "shared/" + "tools", "DESIGN" + ".md",
                                                       "STYLE" + ".md", "IDEAS" + ".md")))
-DOCS = ("formats.md", "schedules.md", "reproducibility.md", "failures.md")
+DOCS = ("formats.md", "schedules.md", "reproducibility.md", "failures.md", "api.md", "calibration.md")
 
 
 def tracked_files() -> list[Path]:
