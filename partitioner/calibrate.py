@@ -68,7 +68,8 @@ def _spans(trace: Any) -> dict[int, dict[int, list[tuple[str, float, float]]]]:
 
 def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimizer: str = "adam") -> dict[str, float]:
     """What the traced run of `plan` shows (module docstring): `action_ms` always, `message_ms` where ranks
-    sent (a pipeline), `link_bandwidth` where a stage has replicas (data parallelism)."""
+    sent (a pipeline), `link_bandwidth` where a stage has replicas (data parallelism), `latency_ms` where a
+    pipeline ran a flush schedule."""
     if plan.virtual_stages > 1:
         raise ProfileError(f"calibrate needs a plan with one stage per rank, found {plan.virtual_stages} chunks per "
                            "rank (interleaved): trace a plan without --virtual-stages")
@@ -77,7 +78,8 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
     per_action: list[float] = []
     sends: list[float] = []
     reduce: list[float] = []  # bytes/s of the replicas' all-reduce, per rank and step
-    for rank, steps in _spans(trace).items():
+    by_rank = _spans(trace)
+    for rank, steps in by_rank.items():
         st = plan.stages[plan.stage_of_rank(rank)[0]]
         a, b = st.layers
         profiled = float(lay.forward_ms[a:b].sum() + lay.backward_ms[a:b].sum()) + (lay.loss_ms if b == L else 0.0)
@@ -107,16 +109,16 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
         out["message_ms"] = statistics.median(sends)
     if reduce:
         out["link_bandwidth"] = statistics.median(reduce)
-    period = _step_period_ms(trace, skip)
-    if sends and schedule_kind(plan.schedule).flush and period is not None:
+    period = _step_period_ms(by_rank, skip) if sends and schedule_kind(plan.schedule).flush else None
+    if period is not None:
         out["latency_ms"] = _latency_ms(profile, plan, out, period, optimizer)
     return out
 
 
-def _step_period_ms(trace: Any, skip: int) -> float | None:
+def _step_period_ms(by_rank: dict[int, dict[int, list[tuple[str, float, float]]]], skip: int) -> float | None:
     """The traced run's step time: the median over ranks and steps of one step's first span to the next's."""
     periods = []
-    for steps in _spans(trace).values():
+    for steps in by_rank.values():
         starts = sorted((step, spans[0][1]) for step, spans in steps.items() if step >= skip and spans)
         periods += [b - a for (k, a), (k2, b) in zip(starts, starts[1:]) if k2 == k + 1]
     return statistics.median(periods) if periods else None

@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Any
 
-from pipeflow.control import HEARTBEAT_TAG, abort_comm  # the MPI tag of watchdog messages on COMM_WORLD
+from pipeflow.control import HEARTBEAT_TAG, abort_comm  # HEARTBEAT_TAG: the watchdog's MPI tag on COMM_WORLD
 from pipeflow.failure import EXIT_FAILED, say
 
 log = logging.getLogger("pipeflow.failure")  # the name these lines had before failure.py was split: log lines unchanged
