@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
+from bench_dropout_rng import time_rounds  # this folder: the same Stage loop, timed the same way
 
 from partitioner.measure import Timer
 from partitioner.profiler import DTYPES, profile_model
@@ -37,19 +37,8 @@ def stage_ms(args: argparse.Namespace, b: int, device: torch.device) -> float:
     stage = Stage(spec.layers, start=0, first=True, last=True, loss_fn=spec.loss_fn, device=device,
                   dtype=DTYPES[args.dtype], seed=0)
     x, y = (to_device(t, device) for t in MicrobatchLoader(spec.dataset, b, seed=0).microbatch(0))
-    rounds = []
-    for r in range(args.rounds + 1):  # the first round warms up
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        for t in range(args.iters):
-            stage.forward(t, x, y, global_mb=t)
-            stage.backward(t, None)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if r:
-            rounds.append((time.perf_counter() - t0) * 1e3 / args.iters)
-    return statistics.median(rounds)
+    rounds = [time_rounds(stage, (x, y), device, args.iters) for _ in range(args.rounds + 1)]
+    return statistics.median(rounds[1:])  # the first round warms up
 
 
 def profile_ms(args: argparse.Namespace, b: int, device: torch.device) -> float:
@@ -110,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_profile_vs_stage: error: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+        return 2
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)  # as a rank under mpirun (the profiler does the same)
