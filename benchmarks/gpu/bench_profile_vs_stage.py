@@ -1,28 +1,29 @@
 """The profile against the stage: does pipeflow-profile's sum over the layers give what a pipeflow Stage holding
 those layers takes per microbatch? One process, no MPI, no communication: only the profiler's timing
-conditions (each layer alone, from an idle device, one autograd call per layer) against the runtime's (the
-layers back to back, one call per stage and microbatch).
+conditions (each layer alone, one autograd call per layer) against the runtime's (the layers back to back,
+one call per stage and microbatch).
 
     python benchmarks/gpu/bench_profile_vs_stage.py                         # tiny GPT, cpu
     python benchmarks/gpu/bench_profile_vs_stage.py --device cuda --dtype bfloat16 --layers 6 --d-model 2048 \\
-        --heads 16 --seq-len 1024 --vocab 32000 --microbatch-sizes 2,8
+        --heads 16 --seq-len 1024 --vocab 32000 --microbatch-sizes 1,2,4,8
 
 Prints, per microbatch size, ms per microbatch: the profile's forward + accumulating backward + loss summed
-over the layers, the Stage's forward + backward (the median of --rounds rounds of --iters microbatches,
-synchronised only at a round's ends), and their ratio; then what timing a layer alone adds per call (the
-blocks timed alone against the blocks as one call, forward and backward) and the profile with that taken off
-every layer but one (a stage pays it once per microbatch), against the Stage. The planner prices a stage from
-the first number.
+over the layers, timed two ways (on CUDA: each call from an idle device, as pipeflow-profile did before, and
+with the launches hidden behind a held device, as it does now: partitioner.measure.Timer; the same on CPU),
+the Stage's forward + backward (the median of --rounds rounds of --iters microbatches, synchronised only at a
+round's ends), and the ratios. The planner prices a stage from the profile.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 
 import torch
 from bench_dropout_rng import time_rounds  # this folder: the same Stage loop, timed the same way
 
+from partitioner import profiler
 from partitioner.measure import Timer
 from partitioner.profiler import DTYPES, profile_model
 from pipeflow.data.loader import MicrobatchLoader
@@ -41,44 +42,17 @@ def stage_ms(args: argparse.Namespace, b: int, device: torch.device) -> float:
     return statistics.median(rounds[1:])  # the first round warms up
 
 
-def profile_ms(args: argparse.Namespace, b: int, device: torch.device) -> float:
-    """The profile's price of one microbatch through every layer: forward + accumulating backward + loss."""
+def profile_ms(args: argparse.Namespace, b: int, device: torch.device, *, held: bool) -> float:
+    """The profile's price of one microbatch through every layer: forward + accumulating backward + loss;
+    `held` False times each call from an idle device (measure.Timer before the hold)."""
     torch.manual_seed(0)
-    prof = profile_model(build(**model_args(args)), b, device, dtype=args.dtype, optimizer=None)
+    profiler.Timer = functools.partial(Timer, held=held)  # type: ignore[misc]
+    try:
+        prof = profile_model(build(**model_args(args)), b, device, dtype=args.dtype, optimizer=None)
+    finally:
+        profiler.Timer = Timer  # type: ignore[misc]
     per_layer = sum(layer.forward_ms + (layer.backward_accumulate_ms or layer.backward_ms) for layer in prof.layers)
     return per_layer + (prof.loss_ms or 0.0)
-
-
-def call_overhead_ms(args: argparse.Namespace, b: int, device: torch.device, repeats: int = 7) -> tuple[float, float]:
-    """What timing a layer alone adds per call, forward and backward, in the profiler's conditions (measure.Timer:
-    from an idle device, one autograd call per layer): (sum over the blocks timed alone - the blocks timed as
-    one call) / (blocks - 1), the median of `repeats`."""
-    torch.manual_seed(0)
-    spec = build(**model_args(args))
-    layers = [layer.to(device=device, dtype=DTYPES[args.dtype]) for layer in spec.layers]
-    x, _ = MicrobatchLoader(spec.dataset, b, seed=0).microbatch(0)
-    with torch.no_grad():
-        h = layers[0](to_device(x, device)).detach().requires_grad_(True)  # the first block's input
-    blocks, timer = layers[1:-1], Timer(device)
-
-    def forward_backward(chain: list[torch.nn.Module]) -> tuple[float, float]:
-        out: dict[str, torch.Tensor] = {}
-
-        def forward() -> None:
-            y = h
-            for block in chain:
-                y = block(y)
-            out["y"] = y
-        t_f = timer(forward)
-        grad = torch.randn_like(out["y"])
-        return t_f, timer(lambda: torch.autograd.backward(out["y"], grad))
-
-    runs = []
-    for _ in range(repeats + 1):  # the first warms up
-        alone = [forward_backward([block]) for block in blocks]
-        chain = forward_backward(blocks)
-        runs.append(tuple((sum(a[k] for a in alone) - chain[k]) / (len(blocks) - 1) for k in (0, 1)))
-    return statistics.median(r[0] for r in runs[1:]), statistics.median(r[1] for r in runs[1:])
 
 
 def model_args(args: argparse.Namespace) -> dict[str, object]:
@@ -106,16 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(1)  # as a rank under mpirun (the profiler does the same)
     print(f"GPT {model_args(args)} on {device} ({args.dtype}); ms per microbatch")
-    print("| microbatch | profile (sum over layers) | Stage (back to back) | profile / Stage | per-call overhead "
-          "F, B | profile less it on all layers but one | that / Stage |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    layers = args.layers + 2  # the embedding, the blocks, the head
+    print("| microbatch | profile, each call from an idle device | profile, launches hidden (pipeflow-profile) "
+          "| Stage (back to back) | idle / Stage | hidden / Stage |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for b in (int(s) for s in args.microbatch_sizes.split(",")):
-        prof, stage = profile_ms(args, b, device), stage_ms(args, b, device)
-        o_f, o_b = call_overhead_ms(args, b, device)
-        fixed = prof - (layers - 1) * (o_f + o_b)
-        print(f"| {b} | {prof:.3f} | {stage:.3f} | {prof / stage:.3f} | {o_f:.3f}, {o_b:.3f} | {fixed:.3f} | "
-              f"{fixed / stage:.3f} |", flush=True)
+        idle, hidden = profile_ms(args, b, device, held=False), profile_ms(args, b, device, held=True)
+        stage = stage_ms(args, b, device)
+        print(f"| {b} | {idle:.3f} | {hidden:.3f} | {stage:.3f} | {idle / stage:.3f} | {hidden / stage:.3f} |",
+              flush=True)
     return 0
 
 
