@@ -14,9 +14,11 @@ Rows (';'-separated), every one at --sequences per optimizer step (default 64):
     big SCHEDULE MB M SPLIT         the same with the large model (--big-args), the one DDP cannot run
     ... SPLIT sub                   pf/big rows: the GPT with granularity "sublayer" (attention and MLP as
                                     separate layers, so the plan may cut inside a block)
-    ... plan mem=GIB                pf/big rows: pipeflow-plan under --memory-per-worker GIB GiB (e.g. torch's
+    ... plan mem=GIB                pf/big/gb rows: pipeflow-plan under --memory-per-worker GIB GiB (e.g. torch's
                                     peak, for "as fast at no more memory") instead of the card's memory
-    gb SCHEDULE SIZES [sub]         pipeflow-plan --global-batch (the sequences): profiled at microbatch sizes
+    ... trace                       pf/big rows: pipeflow-train --trace, then per rank the ms per step in each
+                                    kind of span (F, B, W, STEP, SEND, WAIT) and idle, from the trace
+    gb SCHEDULE SIZES [sub] [mem=GIB]  pipeflow-plan --global-batch (the sequences): profiled at microbatch sizes
                                     SIZES (2,4,8), the planner picks b, m and the split; pipeflow-train runs it
 Each row prints `RESULT ...` with tokens/s, peak GiB per rank, MFU per GPU and, where a plan gives it, the
 predicted step time; $OUT/results.md (or --out) gets the markdown table.
@@ -65,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--topology", default=None, help="for pipeflow-plan (default: GPUSx300GB/s, NVLink)")
     p.add_argument("--out", default=None, help="results.md here (default: $OUT/results.md, else ./results.md)")
     p.add_argument("--timeout", type=int, default=420, help="seconds per row")
+    p.add_argument("--work", default=None, help="logs, profiles and plans here (default: $OUT/bench, else "
+                   "./bench); a profile already there is reused, so calls on one machine can share them")
     return p.parse_args(argv)
 
 
@@ -76,7 +80,7 @@ class Bench:
         self.device, self.dtype = ("cpu", "float32") if args.cpu else ("cuda", "bfloat16")
         self.gpt = json.loads(args.model_args) if args.model_args else (TINY if args.cpu else GPT)
         self.big = json.loads(args.big_args)
-        self.work = Path(os.environ.get("OUT") or ".") / "bench"
+        self.work = Path(args.work) if args.work else Path(os.environ.get("OUT") or ".") / "bench"
         self.work.mkdir(parents=True, exist_ok=True)
         self.peak, self.card = self._peak()
         self.rows: list[dict[str, str]] = []
@@ -223,7 +227,7 @@ class Bench:
                                   st["replicas"] > 1 else "") for st in plan["stages"])
 
     def pf(self, schedule: str, mb: int, m: int, split: str, big: bool = False, sub: bool = False,
-           mem_gib: float | None = None, sizes: str | None = None) -> None:
+           mem_gib: float | None = None, sizes: str | None = None, trace: bool = False) -> None:
         """A pipeflow-train row. With `sizes` (a gb row) the profile holds those microbatch sizes and
         pipeflow-plan --global-batch picks b, m and the split; mb and m are then what it picked."""
         cfg = self.big if big else self.gpt
@@ -231,7 +235,7 @@ class Bench:
             cfg = {**cfg, "granularity": "sublayer"}
         shape = f"gb{sizes.replace(',', '_')}" if sizes else f"{mb}x{m}"
         tag = (f"{'big-' if big else ''}{'sub-' if sub else ''}{schedule}-{shape}-{split.replace(',', '_')}"
-               + (f"-mem{mem_gib:g}" if mem_gib is not None else ""))
+               + (f"-mem{mem_gib:g}" if mem_gib is not None else "") + ("-trace" if trace else ""))
         name = f"pipeflow {schedule}" + (" (large model)" if big else "") + (", sublayers" if sub else "")
         flags = ["--schedule", schedule]
         predicted, shown = None, split
@@ -258,7 +262,13 @@ class Bench:
                "--microbatch-size", str(mb), "--microbatches", str(m), *flags]
         if self.peak:
             cmd += ["--peak-tflops", str(self.peak)]
+        trace_path = self.work / f"trace-{tag}.json"
+        if trace:
+            cmd += ["--trace", str(trace_path)]
         rc, out = self.sh(cmd, self.work / f"pf-{tag}.log")
+        if trace and trace_path.exists():
+            for line in breakdown(json.loads(trace_path.read_text()), skip=max(1, self.a.steps // 3)):
+                print(f"BREAKDOWN {tag} {line}", flush=True)
         if split == "spot":
             got = re.search(r"'step_ms': ([0-9.e+-]+)", out)
             predicted = float(got.group(1)) if got else None
@@ -268,6 +278,8 @@ class Bench:
         how = (f"{mb} x {m} (planner's pick of {sizes})" if sizes else f"{mb} x {m}") + f", {split}"
         if mem_gib is not None:
             how += f" under {mem_gib:g} GiB"
+        if trace:
+            how += ", --trace"
         self.add(name, how + (f" {shown}" if shown != split else "") + note, self.n, rc, out, cfg,
                  predicted=predicted, peak=peak, sequences=mb * m)
 
@@ -285,16 +297,18 @@ class Bench:
                 elif w[0] in ("pf", "big"):
                     extra = w[5:]
                     mem = [float(x[4:]) for x in extra if x.startswith("mem=")]
-                    bad = [x for x in extra if x != "sub" and not x.startswith("mem=")]
+                    bad = [x for x in extra if x not in ("sub", "trace") and not x.startswith("mem=")]
                     if bad or (mem and w[4] != "plan"):
-                        raise ValueError(f"after the split a {w[0]} row takes 'sub' and, with 'plan', 'mem=GIB'; "
-                                         f"found {' '.join(extra)!r}")
+                        raise ValueError(f"after the split a {w[0]} row takes 'sub', 'trace' and, with 'plan', "
+                                         f"'mem=GIB'; found {' '.join(extra)!r}")
                     self.pf(w[1], int(w[2]), int(w[3]), w[4], big=w[0] == "big", sub="sub" in extra,
-                            mem_gib=mem[0] if mem else None)
+                            mem_gib=mem[0] if mem else None, trace="trace" in extra)
                 elif w[0] == "gb":
-                    if len(w) not in (3, 4) or (len(w) == 4 and w[3] != "sub"):
-                        raise ValueError("a gb row is 'gb SCHEDULE SIZES [sub]', e.g. 'gb 1f1b 2,4,8'")
-                    self.pf(w[1], 0, 0, "plan", sub=len(w) == 4, sizes=w[2])
+                    extra = w[3:]
+                    mem = [float(x[4:]) for x in extra if x.startswith("mem=")]
+                    if len(w) < 3 or [x for x in extra if x != "sub" and not x.startswith("mem=")]:
+                        raise ValueError("a gb row is 'gb SCHEDULE SIZES [sub] [mem=GIB]', e.g. 'gb 1f1b 2,4,8'")
+                    self.pf(w[1], 0, 0, "plan", sub="sub" in extra, sizes=w[2], mem_gib=mem[0] if mem else None)
                 else:
                     raise ValueError(f"unknown row kind {w[0]!r}")
             except (IndexError, ValueError) as e:
@@ -308,6 +322,30 @@ class Bench:
                  "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         lines += ["| " + " | ".join(r[c] for c in cols) + " |" for r in self.rows]
         return "\n".join(lines) + "\n"
+
+
+def breakdown(trace: dict[str, object], skip: int) -> list[str]:
+    """Per rank, ms per step (steps from `skip` on, the last left out: its end is not seen) in each kind of span
+    and idle: the step's period (its first span's start to the next step's) less every span in it."""
+    from partitioner.calibrate import _spans
+
+    lines = []
+    for rank, steps in sorted(_spans(trace).items()):
+        starts = {step: spans[0][1] for step, spans in steps.items() if spans}
+        kept = [st for st in sorted(steps) if st >= skip and st + 1 in starts]
+        if not kept:
+            continue
+        totals: dict[str, float] = {}
+        for st in kept:
+            for kind, a, b in steps[st]:
+                key = kind if kind in ("F", "B", "W", "STEP") else kind.split("_")[0]
+                totals[key] = totals.get(key, 0.0) + (b - a)
+        period = sum(starts[st + 1] - starts[st] for st in kept) / len(kept)
+        per = {k: v / len(kept) for k, v in totals.items()}
+        idle = period - sum(per.values())
+        lines.append(f"rank {rank}: period {period:.1f} ms = " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(
+            per.items())) + f", idle {idle:.1f} (steps {kept[0]}-{kept[-1]})")
+    return lines
 
 
 def even_split(blocks: int, stages: int) -> list[int]:
