@@ -82,19 +82,22 @@ class Timer:
     for each launch: on an H100 the layers of a GPT 6 x 2048 summed 1.61x the stage running them at microbatch 2
     (benchmarks/gpu, "The profile against the stage"). So on CUDA the device is first held busy
     (torch.cuda._sleep) while the host launches `fn`'s kernels, and the events around them time the kernels
-    back to back. The host's launch time is read in the same run. A callable that waits for the device (a
+    back to back. The host's launch time is read in the same run; launches that outlast the hold make the next
+    call's hold longer (the profiler's warm-up calls find the length). A callable that waits for the device (a
     host sync inside it) cannot be hidden so: it is timed from an idle device (`held=False`, the old way)."""
 
-    HOLD_MS = 10.0  # the first hold; longer launches retry with a longer one (up to MAX_HOLD_MS)
-    MAX_HOLD_MS = 160.0
+    HOLD_MS = 10.0  # the first hold; a call whose launches outlast 0.4 of it makes the next hold longer
+    MAX_HOLD_MS = 160.0  # launches that outlast even this: the callable waits for the device; time from idle
     CLOCK_HZ = 2.0e9  # cycles per second torch.cuda._sleep spins at most (a slower clock holds longer)
 
     def __init__(self, device: torch.device, *, held: bool = True) -> None:
         self.cuda = device.type == "cuda"
         self.held = held
+        self.hold_ms = self.HOLD_MS
         self.host_ms = 0.0  # the last call's host time
 
     def __call__(self, fn: Callable[[], Any]) -> float:
+        """Calls `fn` once (it may not be repeatable: a backward) and returns its milliseconds."""
         if not self.cuda:
             t0 = time.perf_counter()
             fn()
@@ -102,14 +105,12 @@ class Timer:
             return self.host_ms
         if not self.held:
             return self._from_idle(fn)
-        hold = self.HOLD_MS
-        while True:
-            device_ms = self._held(fn, hold)
-            if self.host_ms < 0.4 * hold:  # every launch came while the device was still held
-                return max(device_ms, self.host_ms)
-            if hold >= self.MAX_HOLD_MS:  # the host waited for the device: a sync inside fn
-                return self._from_idle(fn)
-            hold *= 4
+        device_ms = self._held(fn, self.hold_ms)
+        if self.host_ms >= 0.4 * self.hold_ms:  # some launches came after the hold: this call counts some gaps
+            if self.hold_ms >= self.MAX_HOLD_MS:  # the host waits for the device inside fn: time from idle
+                self.held = False
+            self.hold_ms = min(self.MAX_HOLD_MS, max(4 * self.hold_ms, 3 * self.host_ms))
+        return max(device_ms, self.host_ms)
 
     def _held(self, fn: Callable[[], Any], hold_ms: float) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
