@@ -18,6 +18,9 @@ Rows (';'-separated), every one at --sequences per optimizer step (default 64):
                                     peak, for "as fast at no more memory") instead of the card's memory
     ... trace                       pf/big rows: pipeflow-train --trace, then per rank the ms per step in each
                                     kind of span (F, B, W, STEP, SEND, WAIT) and idle, from the trace
+    ... cal                         pf/big rows on a profiled split: traced as above, then the runtime's costs
+                                    read from the trace (python -m partitioner.calibrate); every later row's plan
+                                    is priced again with them ("calibrated ms"; this row's own is circular)
     gb SCHEDULE SIZES [sub] [mem=GIB]  pipeflow-plan --global-batch (the sequences): profiled at microbatch sizes
                                     SIZES (2,4,8), the planner picks b, m and the split; pipeflow-train runs it
 Each row prints `RESULT ...` with tokens/s, peak GiB per rank, MFU per GPU and, where a plan gives it, the
@@ -84,6 +87,7 @@ class Bench:
         self.work.mkdir(parents=True, exist_ok=True)
         self.peak, self.card = self._peak()
         self.rows: list[dict[str, str]] = []
+        self.cal: dict[str, float] = {}  # the runtime's costs read from a traced row ('cal'), for later rows
         self._flops: dict[str, float] = {}
         self.env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "PIPEFLOW_LOG": "INFO",
                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if args.cpu else "8")}
@@ -128,7 +132,7 @@ class Bench:
 
     def add(self, name: str, config: str, gpus: int, rc: int, out: str, cfg: dict[str, object],
             predicted: float | None = None, tokens: float | None = None, peak: str | None = None,
-            sequences: int | None = None) -> None:
+            sequences: int | None = None, calibrated: float | None = None) -> None:
         if tokens is None:
             m = (re.search(r"RESULT .*tokens_per_s=([0-9.]+)", out)
                  or re.search(r"steady state.* ([0-9.]+) tokens/s", out))
@@ -145,7 +149,8 @@ class Bench:
         row = {"run": name, "config": config, "tokens/s": f"{tokens:.0f}" if tokens else f"FAILED (rc {rc})",
                "peak GiB/rank": peak, "MFU/GPU": f"{100 * mfu:.1f}%" if mfu is not None else "-",
                "step ms": f"{measured:.1f}" if measured else "-",
-               "predicted ms": f"{predicted:.1f}" if predicted else "-"}
+               "predicted ms": f"{predicted:.1f}" if predicted else "-",
+               "calibrated ms": f"{calibrated:.1f}" if calibrated else "-"}
         self.rows.append(row)
         print("RESULT " + " ".join(f"{k.replace(' ', '_')}={v.replace(' ', '_')}" for k, v in row.items()), flush=True)
         if rc != 0:
@@ -227,10 +232,11 @@ class Bench:
                                   st["replicas"] > 1 else "") for st in plan["stages"])
 
     def pf(self, schedule: str, mb: int, m: int, split: str, big: bool = False, sub: bool = False,
-           mem_gib: float | None = None, sizes: str | None = None, trace: bool = False) -> None:
+           mem_gib: float | None = None, sizes: str | None = None, trace: bool = False, cal: bool = False) -> None:
         """A pipeflow-train row. With `sizes` (a gb row) the profile holds those microbatch sizes and
         pipeflow-plan --global-batch picks b, m and the split; mb and m are then what it picked."""
         cfg = self.big if big else self.gpt
+        trace = trace or cal
         if sub:
             cfg = {**cfg, "granularity": "sublayer"}
         shape = f"gb{sizes.replace(',', '_')}" if sizes else f"{mb}x{m}"
@@ -238,7 +244,7 @@ class Bench:
                + (f"-mem{mem_gib:g}" if mem_gib is not None else "") + ("-trace" if trace else ""))
         name = f"pipeflow {schedule}" + (" (large model)" if big else "") + (", sublayers" if sub else "")
         flags = ["--schedule", schedule]
-        predicted, shown = None, split
+        predicted, calibrated, shown, path, prof = None, None, split, None, None
         if split != "spot":
             kind = ("big" if big else "gpt") + ("-sub" if sub else "")
             prof = self.profile(cfg, mb, kind, sizes=sizes)
@@ -256,6 +262,8 @@ class Bench:
                 predicted = plan.get("predicted", {}).get("step_ms")
                 if sizes:  # the planner's pick
                     mb, m = int(plan["planner"]["microbatch_size"]), int(plan["microbatches"])
+                if prof is not None and not cal:
+                    calibrated = self.calibrated_ms(prof, path, tag)
         cmd = ["mpirun", "-np", str(self.n), sys.executable, "-m", "pipeflow.train", "--model", "gpt", "--model-args",
                json.dumps(cfg), "--device", self.device, "--dtype", self.dtype, "--optimizer", "adam", "--lr", "1e-4",
                "--steps", str(self.a.steps), "--log-every", str(max(1, self.a.steps // 3)),
@@ -269,6 +277,8 @@ class Bench:
         if trace and trace_path.exists():
             for line in breakdown(json.loads(trace_path.read_text()), skip=max(1, self.a.steps // 3)):
                 print(f"BREAKDOWN {tag} {line}", flush=True)
+            if cal and prof is not None and path is not None:
+                self.calibrate(prof, path, trace_path, tag)
         if split == "spot":
             got = re.search(r"'step_ms': ([0-9.e+-]+)", out)
             predicted = float(got.group(1)) if got else None
@@ -279,9 +289,39 @@ class Bench:
         if mem_gib is not None:
             how += f" under {mem_gib:g} GiB"
         if trace:
-            how += ", --trace"
+            how += ", --trace" + (" (calibrates the later rows)" if cal else "")
         self.add(name, how + (f" {shown}" if shown != split else "") + note, self.n, rc, out, cfg,
-                 predicted=predicted, peak=peak, sequences=mb * m)
+                 predicted=predicted, peak=peak, sequences=mb * m, calibrated=calibrated)
+
+    def calibrate(self, prof: Path, plan: Path, trace: Path, tag: str) -> None:
+        """The runtime's costs from a traced row (partitioner.calibrate), kept for the rows after it."""
+        out = self.work / f"cal-{tag}.json"
+        rc, text = self.sh([sys.executable, "-m", "partitioner.calibrate", str(prof), str(plan), str(trace),
+                            "--skip", str(max(1, self.a.steps // 3)), "-o", str(out)], self.work / f"cal-{tag}.log")
+        if rc != 0:
+            print(f"  calibrate failed (rc {rc}): {text.strip().splitlines()[-1:]}", flush=True)
+            return
+        found = json.loads(out.read_text())
+        self.cal = {k: found[k] for k in ("action_ms", "message_ms", "latency_ms", "link_bandwidth") if k in found}
+        print(f"CALIBRATED {tag} {json.dumps(self.cal)}", flush=True)
+
+    def calibrated_ms(self, prof: Path, plan: Path, tag: str) -> float | None:
+        """`plan` priced on `prof` with the calibrated costs (at every microbatch size of the file), None before
+        any 'cal' row. A calibrated all-reduce bandwidth replaces --topology's."""
+        if not self.cal:
+            return None
+        d = json.loads(prof.read_text())
+        for at in [d, *d.get("other_microbatch_sizes", [])]:
+            at.update(self.cal)
+        cal_prof, out = self.work / f"profile-{tag}-cal.json", self.work / f"plan-{tag}-cal.json"
+        cal_prof.write_text(json.dumps(d))
+        topo = [] if "link_bandwidth" in self.cal else ["--topology", self.a.topology or f"{self.n}x300GB/s"]
+        rc, text = self.sh([sys.executable, "-m", "partitioner.cli", "--evaluate", str(plan), *topo, "--optimizer",
+                            "adam", "-o", str(out), str(cal_prof)], self.work / f"plan-{tag}-cal.log")
+        if rc != 0:
+            print(f"  calibrated pricing failed (rc {rc}): {text.strip().splitlines()[-1:]}", flush=True)
+            return None
+        return json.loads(out.read_text()).get("predicted", {}).get("step_ms")
 
     def run(self, rows: str) -> None:
         for text in [r.strip() for r in rows.split(";") if r.strip()]:
@@ -297,12 +337,12 @@ class Bench:
                 elif w[0] in ("pf", "big"):
                     extra = w[5:]
                     mem = [float(x[4:]) for x in extra if x.startswith("mem=")]
-                    bad = [x for x in extra if x not in ("sub", "trace") and not x.startswith("mem=")]
-                    if bad or (mem and w[4] != "plan"):
-                        raise ValueError(f"after the split a {w[0]} row takes 'sub', 'trace' and, with 'plan', "
-                                         f"'mem=GIB'; found {' '.join(extra)!r}")
+                    bad = [x for x in extra if x not in ("sub", "trace", "cal") and not x.startswith("mem=")]
+                    if bad or (mem and w[4] != "plan") or ("cal" in extra and w[4] == "spot"):
+                        raise ValueError(f"after the split a {w[0]} row takes 'sub', 'trace', 'cal' (not with "
+                                         f"'spot') and, with 'plan', 'mem=GIB'; found {' '.join(extra)!r}")
                     self.pf(w[1], int(w[2]), int(w[3]), w[4], big=w[0] == "big", sub="sub" in extra,
-                            mem_gib=mem[0] if mem else None, trace="trace" in extra)
+                            mem_gib=mem[0] if mem else None, trace="trace" in extra, cal="cal" in extra)
                 elif w[0] == "gb":
                     extra = w[3:]
                     mem = [float(x[4:]) for x in extra if x.startswith("mem=")]
@@ -315,7 +355,7 @@ class Bench:
                 print(f"RESULT row {text!r} not understood: {e}", flush=True)
 
     def table(self) -> str:
-        cols = ["run", "config", "tokens/s", "peak GiB/rank", "MFU/GPU", "step ms", "predicted ms"]
+        cols = ["run", "config", "tokens/s", "peak GiB/rank", "MFU/GPU", "step ms", "predicted ms", "calibrated ms"]
         lines = [f"{self.n if not self.a.cpu else 2} x {self.card}, {time.strftime('%Y-%m-%d')}, "
                  f"{self.a.sequences} sequences per step, GPT {json.dumps(self.gpt)}, peak "
                  f"{self.peak if self.peak else '?'} TFLOP/s per device", "",

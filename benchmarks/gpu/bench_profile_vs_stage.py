@@ -8,8 +8,9 @@ one call per stage and microbatch).
         --heads 16 --seq-len 1024 --vocab 32000 --microbatch-sizes 1,2,4,8
 
 Prints, per microbatch size, ms per microbatch: the profile's forward + accumulating backward + loss summed
-over the layers, timed two ways (on CUDA: each call from an idle device, as pipeflow-profile did before, and
-with the launches hidden behind a held device, as it does now: partitioner.measure.Timer; the same on CPU),
+over the layers, timed two ways (on CUDA: each call from an idle device, as pipeflow-profile does, and the
+kernels back to back, the launches hidden behind a held device: partitioner.measure.Timer(held=True); the same
+on CPU),
 the Stage's forward + backward (the median of --rounds rounds of --iters microbatches, synchronised only at a
 round's ends), and the ratios. The planner prices a stage from the profile.
 """
@@ -44,7 +45,7 @@ def stage_ms(args: argparse.Namespace, b: int, device: torch.device) -> float:
 
 def profile_ms(args: argparse.Namespace, b: int, device: torch.device, *, held: bool) -> float:
     """The profile's price of one microbatch through every layer: forward + accumulating backward + loss;
-    `held` False times each call from an idle device (measure.Timer before the hold)."""
+    `held` times the kernels back to back (measure.Timer(held=True)) instead of each call from an idle device."""
     torch.manual_seed(0)
     profiler.Timer = functools.partial(Timer, held=held)  # type: ignore[misc]
     try:
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(1)  # as a rank under mpirun (the profiler does the same)
     print(f"GPT {model_args(args)} on {device} ({args.dtype}); ms per microbatch")
-    print("| microbatch | profile, each call from an idle device | profile, launches hidden (pipeflow-profile) "
+    print("| microbatch | profile, each call from an idle device (pipeflow-profile) | profile, kernels back to back "
           "| Stage (back to back) | idle / Stage | hidden / Stage |")
     print("|---:|---:|---:|---:|---:|---:|")
     for b in (int(s) for s in args.microbatch_sizes.split(",")):
