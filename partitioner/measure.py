@@ -108,29 +108,20 @@ class Timer:
             self.host_ms = (time.perf_counter() - t0) * 1e3
             return self.host_ms
         if not self.held:
-            return self._from_idle(fn)
-        device_ms = self._held(fn, self.hold_ms)
+            return self._events(fn, None)
+        device_ms = self._events(fn, self.hold_ms)
         if self.host_ms >= 0.4 * self.hold_ms:  # some launches came after the hold: this call counts some gaps
             if self.hold_ms >= self.MAX_HOLD_MS:  # the host waits for the device inside fn: time from idle
                 self.held = False
             self.hold_ms = min(self.MAX_HOLD_MS, max(4 * self.hold_ms, 3 * self.host_ms))
         return device_ms
 
-    def _held(self, fn: Callable[[], Any], hold_ms: float) -> float:
+    def _events(self, fn: Callable[[], Any], hold_ms: float | None) -> float:
+        """CUDA events around `fn`, from an idle device or (hold_ms) after the device is held that long."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
-        torch.cuda._sleep(int(hold_ms * 1e-3 * self.CLOCK_HZ))
-        start.record()
-        t0 = time.perf_counter()
-        fn()
-        self.host_ms = (time.perf_counter() - t0) * 1e3
-        end.record()
-        torch.cuda.synchronize()
-        return float(start.elapsed_time(end))
-
-    def _from_idle(self, fn: Callable[[], Any]) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
+        if hold_ms is not None:
+            torch.cuda._sleep(int(hold_ms * 1e-3 * self.CLOCK_HZ))
         start.record()
         t0 = time.perf_counter()
         fn()
