@@ -35,6 +35,7 @@ PROFILE_FORMAT = "pipeflow.profile/1"
 LAYER_NUMBERS = ("forward_ms", "backward_ms", "output_bytes", "activation_bytes", "parameter_bytes")
 OPTIONAL_LAYER_NUMBERS = ("backward_accumulate_ms", "backward_weight_ms")
 RUNTIME_NUMBERS = ("action_ms", "message_ms", "latency_ms")  # optional, at the top
+TIMINGS = ("idle", "kernels")  # pipeflow-profile --timing on CUDA (partitioner.measure.Timer)
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 # Upper bounds of a plausible measurement: sums over layers and microbatches must stay finite in float64
 # (a time of 1e308 ms overflows to inf once multiplied by m and used to look like "no plan").
@@ -95,6 +96,7 @@ class Profile:
     action_ms: float | None = None  # the runtime's own time per forward or backward of a stage (calibrated)
     message_ms: float | None = None  # the sender's time per message between stages (calibrated)
     latency_ms: float | None = None  # a message's delay beyond bytes / bandwidth, off the link (calibrated)
+    timing: str | None = None  # CUDA: how the layers were timed, "idle" or "kernels" (pipeflow-profile --timing)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -130,6 +132,8 @@ class Profile:
             v = getattr(self, key)
             if v is not None and (not _is_number(v) or not 0 <= v <= MAX_MS):
                 raise ProfileError(f"{source}: {key} must be a number in [0, {MAX_MS:g}] (ms), found {_show(v)}")
+        if self.timing is not None and self.timing not in TIMINGS:
+            raise ProfileError(f"{source}: timing must be one of {', '.join(TIMINGS)}, found {_show(self.timing)}")
         bw = self.link_bandwidth
         if bw is not None and (not _is_number(bw) or not 0 < bw < MAX_BYTES):
             raise ProfileError(f"{source}: link_bandwidth must be a positive number of bytes/s, found {_show(bw)}")
@@ -174,6 +178,8 @@ class Profile:
             d["other_microbatch_sizes"] = [other.to_json() for other in self.others]
         if self.link_bandwidth is not None:
             d["link_bandwidth"] = self.link_bandwidth
+        if self.timing is not None:
+            d["timing"] = self.timing
         d.update({k: getattr(self, k) for k in RUNTIME_NUMBERS if getattr(self, k) is not None})
         return d
 
@@ -206,7 +212,7 @@ class Profile:
             return cls(d["model"], d.get("model_args", {}), d["device"], d["dtype"], d["microbatch_size"], layers,
                        d.get("loss_ms"), d.get("optimizer_ms_per_byte", {}), others,
                        link_bandwidth=d.get("link_bandwidth"), action_ms=d.get("action_ms"),
-                       message_ms=d.get("message_ms"), latency_ms=d.get("latency_ms"))
+                       message_ms=d.get("message_ms"), latency_ms=d.get("latency_ms"), timing=d.get("timing"))
         except ProfileError as e:
             # __post_init__ validated with the default source name; say which file.
             raise ProfileError(str(e).replace("profile: ", f"{source}: ", 1)) from None

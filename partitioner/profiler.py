@@ -29,7 +29,7 @@ from partitioner.measure import (
     tensors,
     time_loss,
 )
-from partitioner.profile import LayerProfile, Profile, ProfileError
+from partitioner.profile import TIMINGS, LayerProfile, Profile, ProfileError
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.spec import ModelError, ModelSpec, build_model, model_dtype, parse_model_args
 from pipeflow.split import time_split_backward
@@ -80,9 +80,10 @@ def _time_forward_backward(layer: nn.Module, x: Any, timer: Timer, *, accumulate
 
 
 def profile_layer(layer: nn.Module, x: Any, *, device: torch.device, dtype: torch.dtype | None, warmup: int,
-                  repeats: int) -> tuple[dict[str, Any], Any]:
-    """Measure one layer on input `x`; returns its numbers and its (detached) output for the next layer."""
-    timer = Timer(device)
+                  repeats: int, held: bool = False) -> tuple[dict[str, Any], Any]:
+    """Measure one layer on input `x`; returns its numbers and its (detached) output for the next layer.
+    `held`: on CUDA, time its kernels back to back (measure.Timer) instead of each call from an idle device."""
+    timer = Timer(device, held=held)
     x = prepare_input(x, device, dtype)
     with torch.no_grad():
         out = layer(x)
@@ -159,7 +160,7 @@ def _check_microbatch_fits(spec: ModelSpec, microbatch_size: int, device: torch.
 def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.device = "cpu", *,
                   dtype: str | None = None, warmup: int = 2, repeats: int = 5, seed: int = 0,
                   optimizer: str | None = "adam", threads: int | None = None,
-                  warnings: list[str] | None = None) -> Profile:
+                  warnings: list[str] | None = None, timing: str = "idle") -> Profile:
     """Profile every layer of `spec` on one real microbatch of its dataset, in order (in-process API); then
     the loss on the last layer's output and a step of `optimizer` per parameter byte (None: not timed).
 
@@ -172,21 +173,29 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     inputs are cast to the dtype of the first floating-point parameter (pipeflow.stage.model_dtype).
     Each layer is measured on a deep copy, freed after, with the global CPU and CUDA generators saved and
     restored: the user's layers and RNG are left exactly as they were. On CPU freed memory is kept from then on,
-    as in a rank (measure.as_a_rank)."""
+    as in a rank (measure.as_a_rank).
+
+    `timing` (CUDA): "idle" times each call from an idle device, "kernels" its kernels back to back with the
+    launches hidden (measure.Timer says what each misses); recorded in the profile."""
     if dtype is not None and dtype not in DTYPES:
         raise ProfileError(f"--dtype must be one of {', '.join(DTYPES)}, found {dtype!r}")
+    if timing not in TIMINGS:
+        raise ProfileError(f"--timing must be one of {', '.join(TIMINGS)}, found {timing!r}")
     if warmup < 0 or repeats < 1:
         raise ProfileError(f"need --warmup >= 0 and --repeats >= 1, found {warmup} and {repeats}")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ProfileError("--device cuda, but torch sees no CUDA device; use --device cpu")
+    if timing != "idle" and dev.type != "cuda":
+        raise ProfileError(f"--timing {timing} times CUDA kernels: it needs --device cuda, found {dev.type}")
+    held = timing == "kernels"
     torch_dtype = DTYPES[dtype] if dtype is not None else None
     model = nn.ModuleList(spec.layers)
     in_dtype = torch_dtype or model_dtype(model)
     name = dtype or str(in_dtype or torch.float32).removeprefix("torch.")
     cuda_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
     layers = []
-    timer = Timer(dev)
+    timer = Timer(dev, held=held)
     # fork_rng restores the CPU and this GPU's generators
     with torch.random.fork_rng(devices=cuda_devices), as_a_rank(dev, threads):
         _check_microbatch_fits(spec, microbatch_size, dev, in_dtype, seed)
@@ -194,7 +203,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
         x = cast_floats_to(x, in_dtype)
         for i, layer in enumerate(spec.layers):
             work = _sandbox_copy(layer, dev, torch_dtype)
-            stats, x = profile_layer(work, x, device=dev, dtype=None, warmup=warmup, repeats=repeats)
+            stats, x = profile_layer(work, x, device=dev, dtype=None, warmup=warmup, repeats=repeats, held=held)
             del work
             free_cached(dev)
             stats["name"] = f"{i}:{stats['name']}"
@@ -213,7 +222,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
         warnings.append(note)
     return Profile(spec.name or "model", dict(spec.args), dev.type, name, microbatch_size,
                    [LayerProfile(**s) for s in layers], loss_ms, {optimizer: opt} if optimizer and opt else {},
-                   link_bandwidth=gpu_link_bandwidth(dev))
+                   link_bandwidth=gpu_link_bandwidth(dev), timing=timing if dev.type == "cuda" else None)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -232,6 +241,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="adam",
                    help="the optimizer whose step is timed (optimizer_ms_per_byte)")
+    p.add_argument("--timing", choices=TIMINGS, default="idle",
+                   help="cuda: 'idle' times each layer's call from an idle device; 'kernels' its kernels back to "
+                        "back, the launches hidden (nearer a running stage where the device is the bottleneck, "
+                        "under it where the host is); see docs/formats.md")
     p.add_argument("--threads", type=int, default=None,
                    help=f"torch threads (default on cpu: {RANK_THREADS}, as each rank under mpirun)")
     p.add_argument("-o", "--output", required=True, help="profile.json to write")
@@ -258,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         sizes = _sizes(args.microbatch_size, args.microbatch_sizes)
+        if args.timing != "idle" and args.device != "cuda":
+            raise ProfileError(f"--timing {args.timing} times CUDA kernels: it needs --device cuda, found "
+                               f"{args.device}")
         model_args = parse_model_args(args.model_args)
         try:
             spec = build_model(args.model, model_args, seed=args.seed)
@@ -274,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                             "layer times measured here will not match training")
         prof, *others = [profile_model(spec, b, args.device, dtype=args.dtype, warmup=args.warmup,
                                        repeats=args.repeats, seed=args.seed, optimizer=args.optimizer,
-                                       threads=threads, warnings=warnings) for b in sizes]
+                                       threads=threads, warnings=warnings, timing=args.timing) for b in sizes]
         prof.others = others
         prof.save(args.output)
     except (ModelError, ProfileError, OSError) as e:

@@ -44,6 +44,22 @@ def test_round_trip(tmp_path: Path) -> None:
     assert Profile.load(out) == prof
 
 
+def test_timing_is_recorded_and_checked(tmp_path: Path) -> None:
+    """How a CUDA profile's layers were timed (pipeflow-profile --timing) survives a round trip; a CPU profile
+    has none; anything else is refused by name."""
+    prof = Profile.load(write(tmp_path, {**GOOD, "device": "cuda", "timing": "kernels"}))
+    assert prof.timing == "kernels"
+    prof.save(tmp_path / "again.json")
+    assert json.loads((tmp_path / "again.json").read_text())["timing"] == "kernels"
+    assert "timing" not in Profile.load(write(tmp_path, GOOD)).to_json()
+    with pytest.raises(ProfileError, match=r"profile.json: timing must be one of idle, kernels, found \"fast\""):
+        Profile.load(write(tmp_path, {**GOOD, "timing": "fast"}))
+    assert profile_model(build_model("mlp", {"layers": 2, "hidden": 8}), 2, "cpu", warmup=0, repeats=1,
+                         optimizer=None).timing is None
+    with pytest.raises(ProfileError, match="--timing kernels times CUDA kernels: it needs --device cuda, found cpu"):
+        profile_model(build_model("mlp", {"layers": 2, "hidden": 8}), 2, "cpu", timing="kernels")
+
+
 def _broken(path: str, value: Any) -> dict[str, Any]:
     d = copy.deepcopy(GOOD)
     *keys, last = path.split(".")
@@ -144,6 +160,8 @@ def test_profile_cli(tmp_path: Path) -> None:
     (["--model", "mlp", "--model-args", '{"width": 3}'], "do not fit model 'mlp'"),
     (["--model", "mlp", "--model-args", '{"layers": 1}'], "mlp needs layers >= 2"),
     (["--model", "mlp", "--repeats", "0"], "need --warmup >= 0 and --repeats >= 1"),
+    (["--model", "mlp", "--timing", "kernels"], "--timing kernels times CUDA kernels: it needs --device cuda, "
+                                                "found cpu"),
 ])
 def test_profile_cli_bad_model(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],
                                message: str) -> None:

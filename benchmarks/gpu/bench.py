@@ -18,6 +18,8 @@ Rows (';'-separated), every one at --sequences per optimizer step (default 64):
                                     peak, for "as fast at no more memory") instead of the card's memory
     ... trace                       pf/big rows: pipeflow-train --trace, then per rank the ms per step in each
                                     kind of span (F, B, W, STEP, SEND, WAIT) and idle, from the trace
+    ... kernels                     pf/big/gb rows: profiled with pipeflow-profile --timing kernels (the kernels
+                                    back to back) instead of each call from an idle device
     ... cal                         pf/big rows on a profiled split: traced as above, then the runtime's costs
                                     read from the trace (python -m partitioner.calibrate); every later row's plan
                                     is priced again with them ("calibrated ms"; this row's own is circular)
@@ -87,7 +89,8 @@ class Bench:
         self.work.mkdir(parents=True, exist_ok=True)
         self.peak, self.card = self._peak()
         self.rows: list[dict[str, str]] = []
-        self.cal: dict[str, float] = {}  # the runtime's costs read from a traced row ('cal'), for later rows
+        # the runtime's costs read from a traced row ('cal'), for later rows profiled the same way (by 'kernels')
+        self.cal: dict[bool, dict[str, float]] = {}
         self._flops: dict[str, float] = {}
         self.env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "PIPEFLOW_LOG": "INFO",
                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if args.cpu else "8")}
@@ -183,9 +186,14 @@ class Bench:
                                 self.work / f"torch-{schedule}-{mb}.log")
         self.add(f"torch {schedule}", f"{mb} x {m}, layers {split}", self.n, rc, out, self.gpt)
 
-    def profile(self, cfg: dict[str, object], mb: int, tag: str, sizes: str | None = None) -> Path | None:
-        """profile.json at microbatch mb, or at every size of `sizes` (one file, for --global-batch)."""
+    def profile(self, cfg: dict[str, object], mb: int, tag: str, sizes: str | None = None,
+                kernels: bool = False) -> Path | None:
+        """profile.json at microbatch mb, or at every size of `sizes` (one file, for --global-batch); `kernels`:
+        --timing kernels."""
         at = ["--microbatch-sizes", sizes] if sizes else ["--microbatch-size", str(mb)]
+        if kernels:
+            at += ["--timing", "kernels"]
+            tag += "-kernels"
         name = f"{tag}-{sizes.replace(',', '_') if sizes else mb}"
         path = self.work / f"profile-{name}.json"
         if not path.exists():
@@ -232,7 +240,8 @@ class Bench:
                                   st["replicas"] > 1 else "") for st in plan["stages"])
 
     def pf(self, schedule: str, mb: int, m: int, split: str, big: bool = False, sub: bool = False,
-           mem_gib: float | None = None, sizes: str | None = None, trace: bool = False, cal: bool = False) -> None:
+           mem_gib: float | None = None, sizes: str | None = None, trace: bool = False, cal: bool = False,
+           kernels: bool = False) -> None:
         """A pipeflow-train row. With `sizes` (a gb row) the profile holds those microbatch sizes and
         pipeflow-plan --global-batch picks b, m and the split; mb and m are then what it picked."""
         cfg = self.big if big else self.gpt
@@ -241,13 +250,14 @@ class Bench:
             cfg = {**cfg, "granularity": "sublayer"}
         shape = f"gb{sizes.replace(',', '_')}" if sizes else f"{mb}x{m}"
         tag = (f"{'big-' if big else ''}{'sub-' if sub else ''}{schedule}-{shape}-{split.replace(',', '_')}"
-               + (f"-mem{mem_gib:g}" if mem_gib is not None else "") + ("-trace" if trace else ""))
+               + (f"-mem{mem_gib:g}" if mem_gib is not None else "") + ("-kernels" if kernels else "")
+               + ("-trace" if trace else ""))
         name = f"pipeflow {schedule}" + (" (large model)" if big else "") + (", sublayers" if sub else "")
         flags = ["--schedule", schedule]
         predicted, calibrated, shown, path, prof = None, None, split, None, None
         if split != "spot":
             kind = ("big" if big else "gpt") + ("-sub" if sub else "")
-            prof = self.profile(cfg, mb, kind, sizes=sizes)
+            prof = self.profile(cfg, mb, kind, sizes=sizes, kernels=kernels)
             path, shown = (self.plan(prof, schedule, m, split, tag, mem_gib=mem_gib, global_batch=sizes is not None)
                            if prof else (None, "no profile"))
             if path is None:
@@ -263,7 +273,7 @@ class Bench:
                 if sizes:  # the planner's pick
                     mb, m = int(plan["planner"]["microbatch_size"]), int(plan["microbatches"])
                 if prof is not None and not cal:
-                    calibrated = self.calibrated_ms(prof, path, tag)
+                    calibrated = self.calibrated_ms(prof, path, tag, kernels)
         cmd = ["mpirun", "-np", str(self.n), sys.executable, "-m", "pipeflow.train", "--model", "gpt", "--model-args",
                json.dumps(cfg), "--device", self.device, "--dtype", self.dtype, "--optimizer", "adam", "--lr", "1e-4",
                "--steps", str(self.a.steps), "--log-every", str(max(1, self.a.steps // 3)),
@@ -278,7 +288,7 @@ class Bench:
             for line in breakdown(json.loads(trace_path.read_text()), skip=max(1, self.a.steps // 3)):
                 print(f"BREAKDOWN {tag} {line}", flush=True)
             if cal and prof is not None and path is not None:
-                self.calibrate(prof, path, trace_path, tag)
+                self.calibrate(prof, path, trace_path, tag, kernels)
         if split == "spot":
             got = re.search(r"'step_ms': ([0-9.e+-]+)", out)
             predicted = float(got.group(1)) if got else None
@@ -288,13 +298,16 @@ class Bench:
         how = (f"{mb} x {m} (planner's pick of {sizes})" if sizes else f"{mb} x {m}") + f", {split}"
         if mem_gib is not None:
             how += f" under {mem_gib:g} GiB"
+        if kernels:
+            how += ", profiled --timing kernels"
         if trace:
             how += ", --trace" + (" (calibrates the later rows)" if cal else "")
         self.add(name, how + (f" {shown}" if shown != split else "") + note, self.n, rc, out, cfg,
                  predicted=predicted, peak=peak, sequences=mb * m, calibrated=calibrated)
 
-    def calibrate(self, prof: Path, plan: Path, trace: Path, tag: str) -> None:
-        """The runtime's costs from a traced row (partitioner.calibrate), kept for the rows after it."""
+    def calibrate(self, prof: Path, plan: Path, trace: Path, tag: str, kernels: bool) -> None:
+        """The runtime's costs from a traced row (partitioner.calibrate), kept for the rows after it whose profile
+        was timed the same way."""
         out = self.work / f"cal-{tag}.json"
         rc, text = self.sh([sys.executable, "-m", "partitioner.calibrate", str(prof), str(plan), str(trace),
                             "--skip", str(max(1, self.a.steps // 3)), "-o", str(out)], self.work / f"cal-{tag}.log")
@@ -302,20 +315,22 @@ class Bench:
             print(f"  calibrate failed (rc {rc}): {text.strip().splitlines()[-1:]}", flush=True)
             return
         found = json.loads(out.read_text())
-        self.cal = {k: found[k] for k in ("action_ms", "message_ms", "latency_ms", "link_bandwidth") if k in found}
-        print(f"CALIBRATED {tag} {json.dumps(self.cal)}", flush=True)
+        cal = {k: found[k] for k in ("action_ms", "message_ms", "latency_ms", "link_bandwidth") if k in found}
+        self.cal[kernels] = cal
+        print(f"CALIBRATED {tag} {json.dumps(cal)}", flush=True)
 
-    def calibrated_ms(self, prof: Path, plan: Path, tag: str) -> float | None:
+    def calibrated_ms(self, prof: Path, plan: Path, tag: str, kernels: bool) -> float | None:
         """`plan` priced on `prof` with the calibrated costs (at every microbatch size of the file), None before
-        any 'cal' row. A calibrated all-reduce bandwidth replaces --topology's."""
-        if not self.cal:
+        any 'cal' row profiled the same way. A calibrated all-reduce bandwidth replaces --topology's."""
+        cal = self.cal.get(kernels)
+        if not cal:
             return None
         d = json.loads(prof.read_text())
         for at in [d, *d.get("other_microbatch_sizes", [])]:
-            at.update(self.cal)
+            at.update(cal)
         cal_prof, out = self.work / f"profile-{tag}-cal.json", self.work / f"plan-{tag}-cal.json"
         cal_prof.write_text(json.dumps(d))
-        topo = [] if "link_bandwidth" in self.cal else ["--topology", self.a.topology or f"{self.n}x300GB/s"]
+        topo = [] if "link_bandwidth" in cal else ["--topology", self.a.topology or f"{self.n}x300GB/s"]
         rc, text = self.sh([sys.executable, "-m", "partitioner.cli", "--evaluate", str(plan), *topo, "--optimizer",
                             "adam", "-o", str(out), str(cal_prof)], self.work / f"plan-{tag}-cal.log")
         if rc != 0:
@@ -337,18 +352,21 @@ class Bench:
                 elif w[0] in ("pf", "big"):
                     extra = w[5:]
                     mem = [float(x[4:]) for x in extra if x.startswith("mem=")]
-                    bad = [x for x in extra if x not in ("sub", "trace", "cal") and not x.startswith("mem=")]
-                    if bad or (mem and w[4] != "plan") or ("cal" in extra and w[4] == "spot"):
-                        raise ValueError(f"after the split a {w[0]} row takes 'sub', 'trace', 'cal' (not with "
-                                         f"'spot') and, with 'plan', 'mem=GIB'; found {' '.join(extra)!r}")
+                    bad = [x for x in extra if x not in ("sub", "trace", "cal", "kernels") and not x.startswith("mem=")]
+                    if bad or (mem and w[4] != "plan") or (w[4] == "spot" and {"cal", "kernels"} & set(extra)):
+                        raise ValueError(f"after the split a {w[0]} row takes 'sub', 'trace', 'cal' and 'kernels' "
+                                         f"(not with 'spot') and, with 'plan', 'mem=GIB'; found {' '.join(extra)!r}")
                     self.pf(w[1], int(w[2]), int(w[3]), w[4], big=w[0] == "big", sub="sub" in extra,
-                            mem_gib=mem[0] if mem else None, trace="trace" in extra, cal="cal" in extra)
+                            mem_gib=mem[0] if mem else None, trace="trace" in extra, cal="cal" in extra,
+                            kernels="kernels" in extra)
                 elif w[0] == "gb":
                     extra = w[3:]
                     mem = [float(x[4:]) for x in extra if x.startswith("mem=")]
-                    if len(w) < 3 or [x for x in extra if x != "sub" and not x.startswith("mem=")]:
-                        raise ValueError("a gb row is 'gb SCHEDULE SIZES [sub] [mem=GIB]', e.g. 'gb 1f1b 2,4,8'")
-                    self.pf(w[1], 0, 0, "plan", sub="sub" in extra, sizes=w[2], mem_gib=mem[0] if mem else None)
+                    if len(w) < 3 or [x for x in extra if x not in ("sub", "kernels") and not x.startswith("mem=")]:
+                        raise ValueError("a gb row is 'gb SCHEDULE SIZES [sub] [kernels] [mem=GIB]', e.g. "
+                                         "'gb 1f1b 2,4,8'")
+                    self.pf(w[1], 0, 0, "plan", sub="sub" in extra, sizes=w[2], mem_gib=mem[0] if mem else None,
+                            kernels="kernels" in extra)
                 else:
                     raise ValueError(f"unknown row kind {w[0]!r}")
             except (IndexError, ValueError) as e:

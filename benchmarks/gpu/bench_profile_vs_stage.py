@@ -9,23 +9,20 @@ one call per stage and microbatch).
 
 Prints, per microbatch size, ms per microbatch: the profile's forward + accumulating backward + loss summed
 over the layers, timed two ways (on CUDA: each call from an idle device, as pipeflow-profile does, and the
-kernels back to back, the launches hidden behind a held device: partitioner.measure.Timer(held=True); the same
-on CPU),
+kernels back to back, the launches hidden behind a held device, as pipeflow-profile --timing kernels does; the
+same on CPU),
 the Stage's forward + backward (the median of --rounds rounds of --iters microbatches, synchronised only at a
 round's ends), and the ratios. The planner prices a stage from the profile.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import sys
 
 import torch
 from bench_dropout_rng import time_rounds  # this folder: the same Stage loop, timed the same way
 
-from partitioner import profiler
-from partitioner.measure import Timer
 from partitioner.profiler import DTYPES, profile_model
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.models.gpt import build
@@ -45,13 +42,11 @@ def stage_ms(args: argparse.Namespace, b: int, device: torch.device) -> float:
 
 def profile_ms(args: argparse.Namespace, b: int, device: torch.device, *, held: bool) -> float:
     """The profile's price of one microbatch through every layer: forward + accumulating backward + loss;
-    `held` times the kernels back to back (measure.Timer(held=True)) instead of each call from an idle device."""
+    `held` times the kernels back to back (pipeflow-profile --timing kernels) instead of each call from an idle
+    device (--timing idle)."""
     torch.manual_seed(0)
-    profiler.Timer = functools.partial(Timer, held=held)  # type: ignore[misc]
-    try:
-        prof = profile_model(build(**model_args(args)), b, device, dtype=args.dtype, optimizer=None)
-    finally:
-        profiler.Timer = Timer  # type: ignore[misc]
+    prof = profile_model(build(**model_args(args)), b, device, dtype=args.dtype, optimizer=None,
+                         timing="kernels" if held and device.type == "cuda" else "idle")
     per_layer = sum(layer.forward_ms + (layer.backward_accumulate_ms or layer.backward_ms) for layer in prof.layers)
     return per_layer + (prof.loss_ms or 0.0)
 
