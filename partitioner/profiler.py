@@ -3,8 +3,6 @@ parameter bytes on a device (PipeDream SOSP'19 §3.1: the profile the partitione
 from __future__ import annotations
 
 import argparse
-import copy
-import os
 import statistics
 import sys
 from typing import Any
@@ -12,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from partitioner.layermem import check_microbatch_fits, sandbox_copy, saved_bytes
 from partitioner.measure import (
     RANK_THREADS,
     Timer,
@@ -19,9 +18,7 @@ from partitioner.measure import (
     cast_floats_to,
     free_cached,
     gpu_link_bandwidth,
-    machine_bytes,
     map_tensors,
-    nbytes,
     noise_warning,
     optimizer_ms_per_byte,
     prepare_input,
@@ -35,28 +32,6 @@ from pipeflow.spec import ModelError, ModelSpec, build_model, model_dtype, parse
 from pipeflow.split import time_split_backward
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-def _storage_key(t: torch.Tensor) -> tuple[int, int]:
-    s = t.untyped_storage()
-    return s.data_ptr(), s.nbytes()
-
-
-def _saved_bytes(layer: nn.Module, x: Any) -> int:
-    """Bytes autograd keeps for this layer's backward: unique storages of the saved tensors, parameters
-    excluded (the planner counts those separately)."""
-    exclude = {_storage_key(p) for p in layer.parameters()}
-    seen: dict[tuple[int, int], int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
-        if key not in exclude and key[0] != 0:
-            seen[key] = key[1]
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x)
-    return sum(seen.values())
 
 
 def _time_forward_backward(layer: nn.Module, x: Any, timer: Timer, *, accumulate: bool) -> tuple[float, float]:
@@ -93,7 +68,7 @@ def profile_layer(layer: nn.Module, x: Any, *, device: torch.device, dtype: torc
                            "tuple of tensors")
     output_bytes = sum(t.numel() * t.element_size() for t in outs)
     parameter_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
-    activation_bytes = _saved_bytes(layer, x)
+    activation_bytes = saved_bytes(layer, x)
 
     fwd: list[float] = []
     bwd: list[float] = []
@@ -116,45 +91,6 @@ def profile_layer(layer: nn.Module, x: Any, *, device: torch.device, dtype: torc
     if split is not None and sum(split) > 0:  # W's share of the (fused) backward
         stats["backward_weight_ms"] = statistics.median(bwd) * split[1] / sum(split)
     return stats, out
-
-
-def _sandbox_copy(layer: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
-    """A private copy of `layer` to measure, in train mode on the device (torchgpipe's training_sandbox):
-    the user's layer keeps its parameters, buffers (BatchNorm statistics), device, dtype and mode."""
-    return copy.deepcopy(layer).to(device=device, dtype=dtype).train()
-
-
-def _check_microbatch_fits(spec: ModelSpec, microbatch_size: int, device: torch.device,
-                           dtype: torch.dtype | None, seed: int) -> None:
-    """Refuse, before collating it, a microbatch that cannot fit (issue 11). Rule: measured on a probe of
-    min(b, 2) samples and scaled linearly to b, (1) the microbatch's input and target must fit in host RAM
-    and (2) the largest layer's input + output + saved activations must fit in the device's memory."""
-    n = min(microbatch_size, 2)
-    x, y = MicrobatchLoader(spec.dataset, n, seed=seed).microbatch(0)
-    host = (nbytes(x) + nbytes(y)) * microbatch_size // n
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if host > ram:
-        raise ProfileError(f"--microbatch-size {microbatch_size} cannot work: its input and target take about "
-                           f"{host / 2**30:.1f} GiB ({(host * n // microbatch_size)} bytes per {n} samples) but "
-                           f"this machine has {ram / 2**30:.1f} GiB of RAM; use a smaller --microbatch-size")
-    need = 0
-    x = cast_floats_to(x, dtype)
-    for layer in spec.layers:
-        work = _sandbox_copy(layer, device, dtype)
-        x = prepare_input(x, device, None)
-        with torch.no_grad():
-            out = work(x)
-        need = max(need, nbytes(x) + nbytes(out) + _saved_bytes(work, x))
-        x = map_tensors(out, lambda t: t.detach())
-        del work
-    free_cached(device)
-    need = need * microbatch_size // n
-    room, where = machine_bytes(device)
-    if need > room:
-        raise ProfileError(f"--microbatch-size {microbatch_size} cannot work: one layer needs about "
-                           f"{need / 2**30:.1f} GiB for its input, output and saved activations (measured on {n} "
-                           f"samples, scaled) but {where} has {room / 2**30:.1f} GiB; use a smaller "
-                           "--microbatch-size")
 
 
 def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.device = "cpu", *,
@@ -198,11 +134,11 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     timer = Timer(dev, held=held)
     # fork_rng restores the CPU and this GPU's generators
     with torch.random.fork_rng(devices=cuda_devices), as_a_rank(dev, threads):
-        _check_microbatch_fits(spec, microbatch_size, dev, in_dtype, seed)
+        check_microbatch_fits(spec, microbatch_size, dev, in_dtype, seed)
         x, y = MicrobatchLoader(spec.dataset, microbatch_size, seed=seed).microbatch(0)
         x = cast_floats_to(x, in_dtype)
         for i, layer in enumerate(spec.layers):
-            work = _sandbox_copy(layer, dev, torch_dtype)
+            work = sandbox_copy(layer, dev, torch_dtype)
             stats, x = profile_layer(work, x, device=dev, dtype=None, warmup=warmup, repeats=repeats, held=held)
             del work
             free_cached(dev)
