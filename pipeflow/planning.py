@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from typing import Any
 
@@ -89,13 +90,16 @@ def _make_plan(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, m
 def plan_on_the_spot(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, mpi: Any,
                      virtual: int = 1) -> Plan:
     result: tuple[str, Any] = ("error", "rank 0 did not plan")
+    hosts = mpi.allgather(socket.gethostname()) if mpi is not None else [socket.gethostname()]
     if rank == 0:
+        limit_from = ""
         try:
             from partitioner.auto import AUTO, candidates_table, plan_schedule
             from partitioner.batch import global_batch_table, plan_global_batch
             from partitioner.profiler import profile_model
 
             device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+            limit, limit_from = spot_memory(args, device, hosts.count(hosts[0]))
             t0 = time.perf_counter()
             # In this rank's own thread count (what training runs with); the loss and --optimizer's step timed.
             notes: list[str] = []
@@ -109,8 +113,8 @@ def plan_on_the_spot(args: TrainConfig, spec: ModelSpec, world_size: int, rank: 
                 log.warning("profiling on the spot: %s", note)
             # Without --schedule: the fastest flush schedule (--schedule auto), all equal to single-process training.
             common: dict[str, Any] = dict(schedule=args.schedule or AUTO, topology=args.topology,
-                                          straight=args.straight, memory_per_worker=args.memory_per_worker,
-                                          optimizer=args.optimizer)
+                                          straight=args.straight, optimizer=args.optimizer,
+                                          memory_per_worker=limit)
             if virtual > 1:  # --schedule interleaved: chunks per rank
                 common["virtual_stages"] = virtual
             if gb is None:
@@ -126,11 +130,30 @@ def plan_on_the_spot(args: TrainConfig, spec: ModelSpec, world_size: int, rank: 
                      {k: v for k, v in plan.predicted.items() if k != "peak_memory_bytes"})
             result = ("plan", plan.to_json())
         except (ValueError, RuntimeError) as e:
-            result = ("error", f"planning on the spot failed: {e}")
+            result = ("error", f"planning on the spot failed: {e}" + (f" (the limit is {limit_from}; "
+                      "--memory-per-worker sets another)" if limit_from and "memory-per-worker" in str(e) else ""))
     kind, value = mpi.bcast(result, root=0)
     if kind == "error":
         raise UsageError(value)
     return Plan.from_json(value, source="the plan made on the spot")
+
+
+def spot_memory(args: TrainConfig, device: str, local_ranks: int) -> tuple[str | int, str]:
+    """The memory per worker a plan made on the spot must fit, and where it comes from ("" for the flag):
+    --memory-per-worker, else on CUDA this GPU's memory and on CPU this host's RAM shared by its ranks
+    (`local_ranks`). Without a limit the planner could replicate a stage that cannot fit (a 10 B-parameter
+    model on every 80 GB GPU) and training would run out of memory instead."""
+    if args.memory_per_worker is not None:
+        return args.memory_per_worker, ""
+    from partitioner.measure import machine_bytes
+
+    total, where = machine_bytes(torch.device(device))
+    cuda = device.startswith("cuda")
+    limit = total if cuda else total // max(1, local_ranks)
+    source = f"{where}, {total / 2**30:.1f} GiB" + ("" if cuda else f", shared by its {local_ranks} ranks")
+    log.info("planning on the spot under %.2f GiB per worker (%s; --memory-per-worker sets another)",
+             limit / 2**30, source)
+    return limit, source
 
 
 def resolve_warmup(text: str, plan: Plan) -> list[int] | None:

@@ -144,3 +144,42 @@ def test_train_global_batch_conflicts(flags: dict[str, object], message: str) ->
     args = Namespace(**{"global_batch": 8, "plan": None, "layers_per_stage": None, "microbatches": None, **flags})
     with pytest.raises(UsageError, match=message):
         make_plan(args, build_model("mlp", {"layers": 2}), 2, 0, None)
+
+
+class _OneHost:
+    """The control channel of 2 ranks on one host, as planning on the spot uses it, for rank 0 in-process."""
+
+    def allgather(self, obj: object) -> list[object]:
+        return [obj, obj]
+
+    def bcast(self, obj: object, root: int = 0) -> object:
+        return obj
+
+
+def test_on_the_spot_plans_within_the_machines_memory(monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Without --memory-per-worker a plan made on the spot must fit this host's RAM shared by its ranks (on CUDA,
+    the GPU's memory): a host too small for any plan gets one line naming where the limit came from, instead of
+    a plan that runs out of memory in training; --memory-per-worker overrides it."""
+    from partitioner import measure
+    from pipeflow.failure import UsageError
+    from pipeflow.planning import make_plan
+    from pipeflow.spec import build_model
+    from pipeflow.train import build_parser
+
+    spec = build_model("mlp", {"layers": 6, "hidden": 512})  # 2 stages need about 8.5 MiB each with Adam
+    args = build_parser().parse_args(["--model", "mlp", "--schedule", "1f1b", "--microbatches", "4",
+                                      "--microbatch-size", "8"])
+    monkeypatch.setattr(measure, "machine_bytes", lambda device: (12 * 2**20, "this machine's RAM"))
+    with caplog.at_level("INFO", logger="pipeflow"), pytest.raises(UsageError) as e:
+        make_plan(args, spec, 2, 0, _OneHost())
+    assert str(e.value).startswith("planning on the spot failed: no plan fits --memory-per-worker 6.00 MiB")
+    assert str(e.value).endswith("(the limit is this machine's RAM, 0.0 GiB, shared by its 2 ranks; "
+                                 "--memory-per-worker sets another)")
+    assert "planning on the spot under 0.01 GiB per worker" in caplog.text
+    monkeypatch.setattr(measure, "machine_bytes", lambda device: (20 * 2**20, "this machine's RAM"))
+    plan = make_plan(args, spec, 2, 0, _OneHost())
+    assert [st.replicas for st in plan.stages] == [1, 1]
+    assert all(peak <= 10 * 2**20 for peak in plan.predicted["peak_memory_bytes"])
+    args.memory_per_worker = "1GiB"  # the flag wins over the machine
+    assert make_plan(args, spec, 2, 0, _OneHost()).stages

@@ -46,6 +46,9 @@ def test_plan_on_the_spot_equals_single_process(mpi: MpiRun):
     """No --plan: rank 0 profiles and plans for -np 3; whatever it picks trains like one process."""
     proc = mpi.proc
     assert "planned for 3 workers" in proc.stderr
+    # Under this host's RAM shared by its 3 ranks (the ranks' host names gathered over MPI).
+    assert re.search(r"planning on the spot under [0-9.]+ GiB per worker \(this machine's RAM, [0-9.]+ GiB, "
+                     r"shared by its 3 ranks;", proc.stderr), proc.stderr
     # No --schedule: rank 0 compared every flush schedule of the kind table (--schedule auto) and says why.
     assert "--schedule auto compared:" in proc.stderr and "chose " in proc.stderr, proc.stderr
     assert re.search(r"^\s+gpipe\s", proc.stderr, re.M) and re.search(r"^\s+1f1b\s", proc.stderr, re.M)
