@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections import Counter
 from typing import Any
 
 import torch
@@ -99,7 +100,7 @@ def plan_on_the_spot(args: TrainConfig, spec: ModelSpec, world_size: int, rank: 
             from partitioner.profiler import profile_model
 
             device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-            limit, limit_from = spot_memory(args, device, hosts.count(hosts[0]))
+            limit, limit_from = spot_memory(args, device, max(Counter(hosts).values()))
             t0 = time.perf_counter()
             # In this rank's own thread count (what training runs with); the loss and --optimizer's step timed.
             notes: list[str] = []
@@ -141,8 +142,8 @@ def plan_on_the_spot(args: TrainConfig, spec: ModelSpec, world_size: int, rank: 
 def spot_memory(args: TrainConfig, device: str, local_ranks: int) -> tuple[str | int, str]:
     """The memory per worker a plan made on the spot must fit, and where it comes from ("" for the flag):
     --memory-per-worker, else on CUDA this GPU's memory and on CPU this host's RAM shared by its ranks
-    (`local_ranks`). Without a limit the planner could replicate a stage that cannot fit (a 10 B-parameter
-    model on every 80 GB GPU) and training would run out of memory instead."""
+    (`local_ranks`: the most any host runs). Without a limit the planner could replicate a stage that cannot
+    fit (a 10 B-parameter model on every 80 GB GPU) and training would run out of memory instead."""
     if args.memory_per_worker is not None:
         return args.memory_per_worker, ""
     from partitioner.measure import machine_bytes

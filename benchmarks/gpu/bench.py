@@ -23,7 +23,8 @@ Rows (';'-separated), every one at --sequences per optimizer step (default 64):
     ... cal                         pf/big rows on a profiled split: traced as above, then the runtime's costs
                                     read from the trace (python -m partitioner.calibrate); every later row's plan
                                     is priced again with them ("calibrated ms"; this row's own is circular)
-    gb SCHEDULE SIZES [sub] [mem=GIB]  pipeflow-plan --global-batch (the sequences): profiled at microbatch sizes
+    gb SCHEDULE SIZES [sub] [kernels] [mem=GIB]
+                                    pipeflow-plan --global-batch (the sequences): profiled at microbatch sizes
                                     SIZES (2,4,8), the planner picks b, m and the split; pipeflow-train runs it
 Each row prints `RESULT ...` with tokens/s, peak GiB per rank, MFU per GPU and, where a plan gives it, the
 predicted step time; $OUT/results.md (or --out) gets the markdown table.
@@ -31,6 +32,7 @@ predicted step time; $OUT/results.md (or --out) gets the markdown table.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -194,7 +196,9 @@ class Bench:
         if kernels:
             at += ["--timing", "kernels"]
             tag += "-kernels"
-        name = f"{tag}-{sizes.replace(',', '_') if sizes else mb}"
+        # the model's config in the name: a --work folder shared between calls must not serve another model
+        digest = hashlib.sha1(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:8]
+        name = f"{tag}-{sizes.replace(',', '_') if sizes else mb}-{digest}"
         path = self.work / f"profile-{name}.json"
         if not path.exists():
             rc, out = self.sh([sys.executable, "-m", "partitioner.profiler", "--model", "gpt", "--model-args",
@@ -282,9 +286,10 @@ class Bench:
             cmd += ["--peak-tflops", str(self.peak)]
         trace_path = self.work / f"trace-{tag}.json"
         if trace:
+            trace_path.unlink(missing_ok=True)  # never an earlier call's (--work shared)
             cmd += ["--trace", str(trace_path)]
         rc, out = self.sh(cmd, self.work / f"pf-{tag}.log")
-        if trace and trace_path.exists():
+        if trace and rc == 0 and trace_path.exists():
             for line in breakdown(json.loads(trace_path.read_text()), skip=max(1, self.a.steps // 3)):
                 print(f"BREAKDOWN {tag} {line}", flush=True)
             if cal and prof is not None and path is not None:
@@ -314,20 +319,29 @@ class Bench:
         if rc != 0:
             print(f"  calibrate failed (rc {rc}): {text.strip().splitlines()[-1:]}", flush=True)
             return
-        found = json.loads(out.read_text())
-        cal = {k: found[k] for k in ("action_ms", "message_ms", "latency_ms", "link_bandwidth") if k in found}
+        found, before = json.loads(out.read_text()), json.loads(prof.read_text())
+        # what calibrate read from the trace: the output keeps the profile's own fields (a measured GPU-to-GPU
+        # copy bandwidth is not an all-reduce's), so only what it added or changed
+        cal = {k: found[k] for k in ("action_ms", "message_ms", "latency_ms", "link_bandwidth")
+               if k in found and found[k] != before.get(k)}
         self.cal[kernels] = cal
         print(f"CALIBRATED {tag} {json.dumps(cal)}", flush=True)
 
     def calibrated_ms(self, prof: Path, plan: Path, tag: str, kernels: bool) -> float | None:
-        """`plan` priced on `prof` with the calibrated costs (at every microbatch size of the file), None before
-        any 'cal' row profiled the same way. A calibrated all-reduce bandwidth replaces --topology's."""
+        """`plan` priced on `prof` with the calibrated costs (at every microbatch size of the file; the plan's
+        microbatch size at the top, where --evaluate reads), None before any 'cal' row profiled the same way.
+        An all-reduce bandwidth calibrated from a traced plan with replicas replaces --topology's."""
         cal = self.cal.get(kernels)
         if not cal:
             return None
         d = json.loads(prof.read_text())
         for at in [d, *d.get("other_microbatch_sizes", [])]:
             at.update(cal)
+        b = json.loads(plan.read_text()).get("planner", {}).get("microbatch_size", d["microbatch_size"])
+        if b != d["microbatch_size"]:  # --evaluate prices at the top level: the plan's own size goes there
+            sizes = [d, *d.pop("other_microbatch_sizes", [])]
+            top = next(x for x in sizes if x["microbatch_size"] == b)
+            d = {**top, "other_microbatch_sizes": [x for x in sizes if x is not top]}
         cal_prof, out = self.work / f"profile-{tag}-cal.json", self.work / f"plan-{tag}-cal.json"
         cal_prof.write_text(json.dumps(d))
         topo = [] if "link_bandwidth" in cal else ["--topology", self.a.topology or f"{self.n}x300GB/s"]
