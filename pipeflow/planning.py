@@ -17,6 +17,7 @@ from pipeflow.kinds import TABLE, schedule_kind
 from pipeflow.spec import ModelSpec
 
 log = logging.getLogger("pipeflow")
+GPU_SHARE = 0.9  # of a GPU's memory that a plan made on the spot may fill (spot_memory)
 
 
 def make_plan(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, mpi: Any) -> Plan:
@@ -150,8 +151,11 @@ def spot_memory(args: TrainConfig, device: str, local_ranks: int) -> tuple[str |
 
     total, where = machine_bytes(torch.device(device))
     cuda = device.startswith("cuda")
-    limit = total if cuda else total // max(1, local_ranks)
-    source = f"{where}, {total / 2**30:.1f} GiB" + ("" if cuda else f", shared by its {local_ranks} ranks")
+    # The planner's peak counts tensors; on a GPU the CUDA context, NCCL's buffers and the caching allocator's
+    # slack come on top: leave them a tenth.
+    limit = int(GPU_SHARE * total) if cuda else total // max(1, local_ranks)
+    source = f"{where}, {total / 2**30:.1f} GiB" + (f", {GPU_SHARE:.0%} of it" if cuda else
+                                                    f", shared by its {local_ranks} ranks")
     log.info("planning on the spot under %.2f GiB per worker (%s; --memory-per-worker sets another)",
              limit / 2**30, source)
     return limit, source

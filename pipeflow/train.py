@@ -107,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="planning on the spot: samples per step; the planner picks the microbatch size b among "
                         "the powers of two dividing G (the 4 largest, up to 64) and m = G / b")
     p.add_argument("--memory-per-worker", default=None,
-                   help="planning on the spot: e.g. 16GB (default: the GPU's memory; on CPU the host's RAM shared "
-                        "by its ranks)")
+                   help="planning on the spot: e.g. 16GB (default: 90%% of the GPU's memory; on CPU the host's RAM "
+                        "shared by its ranks)")
     p.add_argument("--warmup", default="min",
                    help="1f1b forwards before the first backward, per stage: min (DAPPLE, S-1-s), fill (keep "
                         "early stages busy until their first gradient returns; more activation memory), or N,N,...")

@@ -15,7 +15,7 @@ Rows (';'-separated), every one at --sequences per optimizer step (default 64):
     ... SPLIT sub                   pf/big rows: the GPT with granularity "sublayer" (attention and MLP as
                                     separate layers, so the plan may cut inside a block)
     ... plan mem=GIB                pf/big/gb rows: pipeflow-plan under --memory-per-worker GIB GiB (e.g. torch's
-                                    peak, for "as fast at no more memory") instead of the card's memory
+                                    peak, for "as fast at no more memory") instead of 90% of the card's memory
     ... trace                       pf/big rows: pipeflow-train --trace, then per rank the ms per step in each
                                     kind of span (F, B, W, STEP, SEND, WAIT) and idle, from the trace
     ... kernels                     pf/big/gb rows: profiled with pipeflow-profile --timing kernels (the kernels
@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from pipeflow.mfu import PEAK_TFLOPS  # noqa: E402
+from pipeflow.planning import GPU_SHARE  # noqa: E402  (as planning on the spot: spot and plan rows alike)
 from pipeflow.spec import build_model  # noqa: E402
 
 GPT = {"layers": 24, "d_model": 2048, "heads": 16, "seq_len": 1024, "vocab": 32000, "dataset": "synthetic"}
@@ -218,11 +219,13 @@ class Bench:
         common = ["--topology", topo, "--optimizer", "adam", "-o", str(out_path), str(prof)]
         if split == "plan" and mem_gib is not None:
             common[:0] = ["--memory-per-worker", str(int(mem_gib * 2**30))]
-        elif not self.a.cpu and split == "plan":  # the card's memory: a plan must not replicate what cannot fit
+        elif not self.a.cpu and split == "plan":  # 90% of the card's memory (as on the spot): a plan must not
+            # replicate what cannot fit
             # (planning only: --evaluate prices a given split as written and refuses search flags)
             import torch
 
-            common[:0] = ["--memory-per-worker", str(torch.cuda.get_device_properties(0).total_memory)]
+            common[:0] = ["--memory-per-worker",
+                          str(int(GPU_SHARE * torch.cuda.get_device_properties(0).total_memory))]
         if split == "plan":
             shape = ["--global-batch", str(self.a.sequences)] if global_batch else ["--microbatches", str(m)]
             cmd = [sys.executable, "-m", "partitioner.cli", "--workers", str(self.n), "--schedule", schedule,
