@@ -183,3 +183,9 @@ def test_on_the_spot_plans_within_the_machines_memory(monkeypatch: pytest.Monkey
     assert all(peak <= 10 * 2**20 for peak in plan.predicted["peak_memory_bytes"])
     args.memory_per_worker = "1GiB"  # the flag wins over the machine
     assert make_plan(args, spec, 2, 0, _OneHost()).stages
+    from pipeflow.planning import spot_memory
+
+    assert spot_memory(args, "cuda", 2) == ("1GiB", "")
+    args.memory_per_worker = None  # a GPU is each rank's own; a tenth is left to the context, NCCL, the allocator
+    monkeypatch.setattr(measure, "machine_bytes", lambda device: (80 * 2**30, f"GPU {device}"))
+    assert spot_memory(args, "cuda", 2) == (int(0.9 * 80 * 2**30), "GPU cuda, 80.0 GiB, 90% of it")
