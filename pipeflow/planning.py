@@ -92,7 +92,7 @@ def _make_plan(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, m
 def plan_on_the_spot(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, mpi: Any,
                      virtual: int = 1) -> Plan:
     result: tuple[str, Any] = ("error", "rank 0 did not plan")
-    hosts = mpi.allgather(socket.gethostname()) if mpi is not None else [socket.gethostname()]
+    hosts = mpi.allgather(socket.gethostname())  # every rank, before rank 0 plans: the busiest host
     if rank == 0:
         limit_from = ""
         try:
