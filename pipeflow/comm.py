@@ -232,6 +232,10 @@ class P2P:
         self.peak_pending = max(self.peak_pending, len(self.pending_sends))
         self.peak_pending_bytes = max(self.peak_pending_bytes, sum(n for _, n in self.pending_sends))
 
+    def knows(self, src: int, signature: Any) -> bool:
+        """Whether recv() from `src` for `signature` posts without waiting for the shapes (receives.py)."""
+        return (src, self.world.rank, signature) in self.meta_cache
+
     def recv(self, src: int, direction: str, *, signature: Any = None,
              meta: list[TensorMeta] | None = None) -> tuple[list[torch.Tensor], list[Any]]:
         """Post receives (non-blocking); returns the buffers and the works to wait on before use."""

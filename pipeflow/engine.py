@@ -13,6 +13,7 @@ from pipeflow.comm import P2P, World, all_reduce
 from pipeflow.hooks import Feed, GateFactory, StepGate, Timer, Timing, WeightHooks, WeightPolicy
 from pipeflow.kinds import Weights, schedule_kind
 from pipeflow.links import arm_points, make_links, make_reducers, send_window, tied_async_error
+from pipeflow.receives import ForwardReceives
 from pipeflow.reduce import find_ties
 from pipeflow.schedule import Action, Kind, Schedule, generate
 from pipeflow.spec import ModelSpec
@@ -135,7 +136,7 @@ class Engine:
         global index step*m+i; `on_step(k)` is called after the k-th STEP of an asynchronous list."""
         Posted = tuple[list[torch.Tensor], list[Any]]
         # Keyed by (model stage, microbatch): a rank holding several chunks has several of each in flight.
-        recv_f: dict[tuple[int, int], Posted] = {}
+        recv_f = ForwardReceives(self.p2p)  # posted ahead where that cannot block the host (receives.py)
         recv_b: dict[tuple[int, int], Posted | None] = {}
         outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
         in_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -154,12 +155,13 @@ class Engine:
             k = self.sched.stage_at(self.worker, a)
             stage, key = self.stages[k], (k, i)
             if a.kind is Kind.RECV_F:
-                recv_f[key] = self.p2p.recv(self._peer(a), "F", signature=self._signature(k - 1, step, i))
+                recv_f.ahead(key, self._peer(a), self._signature(k - 1, step, i))
             elif a.kind is Kind.RECV_B:
                 # The gradient has the shapes of what we sent; if F(i) has not run yet, post at B(i).
                 recv_b[key] = self._post_recv_b(a, stage) if key in outputs else None
             elif a.kind is Kind.F:
-                posted = None if stage.first else recv_f.pop(key)
+                posted = None if stage.first else recv_f.take(key, self._peer(Action(Kind.RECV_F, i, a.stage)),
+                                                              self._signature(k - 1, step, i))
                 outputs[key] = self._forward(stage, step, a, posted)
             elif a.kind is Kind.SEND_F:
                 with self.timer.span("SEND_F", i):

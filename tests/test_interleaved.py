@@ -313,6 +313,27 @@ def test_interleaved_equals_single_process(mpi: MpiRun, model, layout):
     assert any(not torch.equal(want[k], initial[k]) for k in want)
 
 
+def device_wait_run(d: Path, schedule: str) -> Case:
+    flags = ["--virtual-stages", "2"] if schedule == "interleaved" else []
+    return Case(2, ["--schedule", schedule, *flags, "--layers-per-stage", "even", *_args(d, "gpt", 4)],
+                main="tests.device_sync:main", timeout=60)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+@batched(device_wait_run)
+def test_a_first_launch_that_waits_for_posted_receives_does_not_hang(mpi: MpiRun, schedule):
+    """On 2 H100s interleaved hung in its first step: rank 0 posted the receive of chunk 2's input ahead of
+    its use and blocked its host there for the shapes, which rank 1 sends after its first forward; rank 1's
+    first forward waited for every receive it had posted (a GPU's first cuBLAS use does), among them one that
+    rank 0 sends only after those shapes. tests/device_sync.py emulates that wait on CPU; the run must finish
+    with one process's parameters."""
+    got = torch.load(mpi.dir / "model.pt", weights_only=True)
+    want = reference_flush("gpt", MODELS["gpt"], steps=STEPS, microbatches=4, microbatch_size=B, optimizer="sgd",
+                           lr=0.05, momentum=0.9)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-11)
+
+
 def test_argparse_namespace_has_the_flag():
     args = _train_args("--virtual-stages", "2")
     assert isinstance(args, argparse.Namespace) and args.virtual_stages == 2
