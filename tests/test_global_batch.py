@@ -189,3 +189,24 @@ def test_on_the_spot_plans_within_the_machines_memory(monkeypatch: pytest.Monkey
     args.memory_per_worker = None  # a GPU is each rank's own; a tenth is left to the context, NCCL, the allocator
     monkeypatch.setattr(measure, "machine_bytes", lambda device: (80 * 2**30, f"GPU {device}"))
     assert spot_memory(args, "cuda", 2) == (int(0.9 * 80 * 2**30), "GPU cuda, 80.0 GiB, 90% of it")
+
+
+def test_on_the_spot_a_gpus_peak_memory_is_training_s_not_the_profile_s(monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """On 2 H100s planning on the spot reported rank 0's peak as 17.39 GiB for a training that peaks at 13.82 (the
+    same plan given): the profile's own peak. After profiling on a GPU the peak is logged apart, the cache freed
+    and the peak reset; on CPU nothing is touched."""
+    import torch
+
+    from pipeflow.planning import forget_profiling
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: calls.append("peak") or 17.39 * 2**30)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: calls.append("reset"))
+    forget_profiling("cpu")
+    assert calls == []
+    with caplog.at_level("INFO", logger="pipeflow"):
+        forget_profiling("cuda")
+    assert calls == ["peak", "empty", "reset"]
+    assert "profiling on the spot peaked at 17.39 GiB of this GPU (not in training's peak below)" in caplog.text
