@@ -319,7 +319,7 @@ def device_wait_run(d: Path, schedule: str) -> Case:
                 main="tests.device_sync:main", timeout=60)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h2", "interleaved"])
 @batched(device_wait_run)
 def test_a_first_launch_that_waits_for_posted_receives_does_not_hang(mpi: MpiRun, schedule):
     """On 2 H100s interleaved hung in its first step: rank 0 posted the receive of chunk 2's input ahead of
