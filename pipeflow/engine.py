@@ -160,8 +160,7 @@ class Engine:
                 # The gradient has the shapes of what we sent; if F(i) has not run yet, post at B(i).
                 recv_b[key] = self._post_recv_b(a, stage) if key in outputs else None
             elif a.kind is Kind.F:
-                posted = None if stage.first else recv_f.take(key, self._peer(Action(Kind.RECV_F, i, a.stage)),
-                                                              self._signature(k - 1, step, i))
+                posted = None if stage.first else recv_f.take(key)
                 outputs[key] = self._forward(stage, step, a, posted)
             elif a.kind is Kind.SEND_F:
                 with self.timer.span("SEND_F", i):

@@ -24,22 +24,29 @@ class ForwardReceives:
         self.p2p = p2p
         self.posted: dict[Key, Any] = {}
         self.deferred: dict[int, list[Key]] = {}  # peer -> receives to post at their F, in their order
+        self.source: dict[Key, tuple[int, Any]] = {}  # a deferred receive's peer and signature
 
     def ahead(self, key: Key, peer: int, signature: Any) -> None:
         """The RECV_F action: post now if the shapes are known and nothing from `peer` waits for its F."""
         if self.deferred.get(peer) or not self.p2p.knows(peer, signature):
             self.deferred.setdefault(peer, []).append(key)
+            self.source[key] = (peer, signature)
         else:
             self.posted[key] = self.p2p.recv(peer, "F", signature=signature)
 
-    def take(self, key: Key, peer: int, signature: Any) -> Any:
-        """At F: the receive posted ahead, or the deferred one posted now (the oldest from `peer`)."""
+    def take(self, key: Key) -> Any:
+        """At F: the receive posted ahead, or the deferred one posted now (the oldest from its peer)."""
         posted = self.posted.pop(key, None)
         if posted is not None:
             return posted
-        queue = self.deferred.get(peer, [])
-        if not queue or queue[0] != key:
+        if key not in self.source:
+            raise RuntimeError(f"the forward of stage {key[0]}, microbatch {key[1]} has no RECV_F before it: "
+                               "the action list never receives its input")
+        peer, signature = self.source[key]
+        queue = self.deferred[peer]
+        if queue[0] != key:
             raise RuntimeError(f"the forward of stage {key[0]}, microbatch {key[1]} has no receive from rank {peer} "
                                f"in order (waiting: {queue}): the action list posts receives out of order")
         queue.pop(0)
+        del self.source[key]
         return self.p2p.recv(peer, "F", signature=signature)
