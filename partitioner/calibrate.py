@@ -124,12 +124,20 @@ def _step_period_ms(by_rank: dict[int, dict[int, list[tuple[str, float, float]]]
     return statistics.median(periods) if periods else None
 
 
+def with_costs(profile: Profile, found: dict[str, float]) -> Profile:
+    """A copy of `profile` with the runtime's costs `found` (calibrate's keys) at every microbatch size of it:
+    they are the machine's, not the size's."""
+    out = copy.deepcopy(profile)
+    for prof in out.at_sizes():
+        for key, value in found.items():
+            setattr(prof, key, value)
+    return out
+
+
 def _latency_ms(profile: Profile, plan: Plan, found: dict[str, float], period_ms: float, optimizer: str) -> float:
     """The per-message latency at which the simulator, with the other calibrated costs, gives the traced
     run's step time (bisection: the simulated step time never decreases with it); 0 when it already does."""
-    calibrated = copy.deepcopy(profile)
-    for key, value in found.items():
-        setattr(calibrated, key, value)
+    calibrated = with_costs(profile, found)
 
     def step_ms(latency: float) -> float:
         calibrated.latency_ms = latency
@@ -165,10 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         profile, plan = Profile.load(args.profile), Plan.load(args.plan)
         plan.validate(num_layers=len(profile.layers))
         found = calibrate(profile, plan, read_json(args.trace, "trace", ProfileError), skip=args.skip)
-        for key, value in found.items():  # at every microbatch size of the file: the machine's, not the size's
-            for prof in profile.at_sizes():
-                setattr(prof, key, round(value, 6) if key.endswith("_ms") else value)
-        profile.save(args.output)
+        with_costs(profile, {k: round(v, 6) if k.endswith("_ms") else v for k, v in found.items()}).save(args.output)
     except (ProfileError, PlanError, OSError) as e:
         print(f"calibrate: error: {e}", file=sys.stderr)
         return 2

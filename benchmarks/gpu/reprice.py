@@ -11,7 +11,6 @@ markdown table of benchmarks/gpu/README.md.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from partitioner.calibrate import with_costs  # noqa: E402
 from partitioner.plan import Plan  # noqa: E402
 from partitioner.profile import Profile  # noqa: E402
 from partitioner.service import evaluate_plan  # noqa: E402
@@ -37,12 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in meta["rows"]:
         plan = Plan.load(str(a.folder / row["plan"]))
         cells = []
-        for name, calibrated in (("idle", False), ("kernels", False), ("kernels", True)):
-            prof = Profile.load(str(a.folder / f"{name}-{row['microbatch']}.json"))
-            if calibrated:
-                prof = copy.deepcopy(prof)
-                for key, value in cal.items():
-                    setattr(prof, key, value)
+        idle, kernels = (
+            Profile.load(str(a.folder / f"{kind}-{row['microbatch']}.json"))
+            for kind in ("idle", "kernels"))
+        for prof in (idle, kernels, with_costs(kernels, cal)):
             ms = float(evaluate_plan(prof, plan, topology=topo, optimizer="adam").plan.predicted["step_ms"])
             cells.append(f"{ms:.1f} ({(ms / row['measured_ms'] - 1) * 100:+.1f}%)")
         print(f"| {row['row']} | {row['measured_ms']:.1f} | " + " | ".join(cells) + " |")
