@@ -25,11 +25,27 @@ agreement) is read as a latency per message:
 
     latency_ms = the value at which the simulated step time of the plan equals the traced one
 
-(bisection; 0 when the simulation is already as slow). The first `--skip` steps (warm-up) are left out. The
-numbers go into profile.json (`action_ms`, `message_ms`, `link_bandwidth`, `latency_ms`); the planner adds
-the first two to every stage (costmodel.LayerCosts.stage_overhead_ms), plans on the third without
---topology, and the simulator delays every message by the fourth (off the links). They are properties of
-the machine and the runtime, so the calibration runs serve the other models planned on that machine.
+(bisection; 0 when the simulation is already as slow). What a rank spends between two steps outside every
+span (the loss report of --log-every, the step loop) is read as
+
+    step_gap_ms = the mean over ranks and steps of that time
+
+and several traced runs can be read together (`--also PROFILE PLAN TRACE`, each on its own profile): a rank's
+own time per microbatch is then fitted as
+
+    own = compute_factor * profiled + 2 action_ms + 2 layer_ms * layers
+
+with `compute_factor` where the same layers ran at two microbatch sizes (profiled work 1.5 x apart or more:
+work that grows with the layers' time, slower kernels in a busy stage, told from a cost per action, which one
+size alone cannot) and `layer_ms` where some ranks held 1.5 x the layers of others (a pipeline and data
+parallelism: a cost per layer call, Python dispatch, told from a cost per action). The first `--skip` steps
+(warm-up) are left out. The numbers go into profile.json (`action_ms`, `message_ms`, `link_bandwidth`,
+`latency_ms`, `step_gap_ms`, `compute_factor`, `layer_ms`); the planner adds the first two to every stage
+(costmodel.LayerCosts.stage_overhead_ms), plans on the third without --topology, the simulator delays every
+message by the fourth (off the links) and adds the fifth once a step, the layers' times are multiplied by the
+sixth, and the seventh is added per layer of a stage to each of its forwards and backwards. They are
+properties of the machine and the runtime, so the calibration runs serve the other models planned on that
+machine.
 """
 from __future__ import annotations
 
@@ -38,7 +54,11 @@ import copy
 import statistics
 import sys
 from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
+
+import numpy as np
 
 from partitioner.jsonfile import read_json
 from partitioner.plan import Plan, PlanError
@@ -66,52 +86,112 @@ def _spans(trace: Any) -> dict[int, dict[int, list[tuple[str, float, float]]]]:
     return out
 
 
-def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimizer: str = "adam") -> dict[str, float]:
-    """What the traced run of `plan` shows (module docstring): `action_ms` always, `message_ms` where ranks
-    sent (a pipeline), `link_bandwidth` where a stage has replicas (data parallelism), `latency_ms` where a
-    pipeline ran a flush schedule."""
-    if plan.virtual_stages > 1:
-        raise ProfileError(f"calibrate needs a plan with one stage per rank, found {plan.virtual_stages} chunks per "
-                           "rank (interleaved): trace a plan without --virtual-stages")
-    lay = layer_costs(profile, plan.schedule, optimizer)
-    L = len(lay)
+Run = tuple[Profile, Plan, Any]  # a traced run: the profile its plan was priced on, the plan, its Chrome trace
+SPREAD = 1.5  # fit compute_factor only where the same layers' profiled work per microbatch differs this much
+
+
+def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimizer: str = "adam",
+              also: Sequence[Run] = ()) -> dict[str, float]:
+    """What the traced run of `plan` (and the runs `also`, priced on their own profiles) shows (module
+    docstring): `action_ms` and `step_gap_ms` always, `compute_factor` where the same layers ran at profiled
+    work SPREAD x apart (two microbatch sizes), `message_ms` where ranks sent (a pipeline), `link_bandwidth`
+    where a stage has replicas (data parallelism), `latency_ms` where a pipeline ran a flush schedule."""
+    runs = [(profile, plan, trace), *also]
+    # per run and rank: its layers, profiled ms per microbatch, median own ms per microbatch
+    groups: list[tuple[tuple[int, int], float, float]] = []
     per_action: list[float] = []
     sends: list[float] = []
     reduce: list[float] = []  # bytes/s of the replicas' all-reduce, per rank and step
-    by_rank = _spans(trace)
-    for rank, steps in by_rank.items():
-        st = plan.stages[plan.stage_of_rank(rank)[0]]
-        a, b = st.layers
-        profiled = float(lay.forward_ms[a:b].sum() + lay.backward_ms[a:b].sum()) + (lay.loss_ms if b == L else 0.0)
-        p = float(lay.parameter_bytes[a:b].sum())
-        for step, spans in steps.items():
-            if step < skip:
-                continue
-            n = sum(kind == "F" for kind, _, _ in spans)
-            own = sum(end - start for kind, start, end in spans if kind in OWN)
-            own += sum(max(0.0, nxt[1] - prev[2]) for prev, nxt in zip(spans, spans[1:]))
-            sends += [end - start for kind, start, end in spans if kind in SENDS]
-            if n:
-                per_action.append((own - n * profiled) / (2 * n))
-            last_b = [end - start for kind, start, end in spans if kind == "B"][-1:]
-            step_ms = sum(end - start for kind, start, end in spans if kind == "STEP")
-            if st.replicas > 1 and p > 0 and last_b:
-                # The all-reduce starts with the last backward (reduce.py buckets it there) and ends inside
-                # STEP, before the optimizer step: the simulator's model, read backwards.
-                ms = last_b[0] + step_ms - lay.optimizer_ms_per_byte * p
-                if ms > 0:
-                    reduce.append(2 * (st.replicas - 1) / st.replicas * p / (ms / 1e3))
+    gaps: list[float] = []  # ms between a rank's steps, outside every span
+    for prof, pl, tr in runs:
+        if pl.virtual_stages > 1:
+            raise ProfileError(f"calibrate needs a plan with one stage per rank, found {pl.virtual_stages} chunks "
+                               "per rank (interleaved): trace a plan without --virtual-stages")
+        lay = layer_costs(replace(prof, compute_factor=None), pl.schedule, optimizer)  # as profiled
+        L = len(lay)
+        by_rank = _spans(tr)
+        for rank, steps in by_rank.items():
+            st = pl.stages[pl.stage_of_rank(rank)[0]]
+            a, b = st.layers
+            profiled = float(lay.forward_ms[a:b].sum() + lay.backward_ms[a:b].sum()) + (lay.loss_ms if b == L else 0.0)
+            p = float(lay.parameter_bytes[a:b].sum())
+            own_per_mb: list[float] = []
+            for step, spans in steps.items():
+                if step < skip:
+                    continue
+                n = sum(kind == "F" for kind, _, _ in spans)
+                own = sum(end - start for kind, start, end in spans if kind in OWN)
+                own += sum(max(0.0, nxt[1] - prev[2]) for prev, nxt in zip(spans, spans[1:]))
+                sends += [end - start for kind, start, end in spans if kind in SENDS]
+                if n:
+                    per_action.append((own - n * profiled) / (2 * n))
+                    own_per_mb.append(own / n)
+                nxt_spans = steps.get(step + 1)
+                if nxt_spans:
+                    gaps.append(max(0.0, nxt_spans[0][1] - max(end for _, _, end in spans)))
+                last_b = [end - start for kind, start, end in spans if kind == "B"][-1:]
+                step_ms = sum(end - start for kind, start, end in spans if kind == "STEP")
+                if st.replicas > 1 and p > 0 and last_b:
+                    # The all-reduce starts with the last backward (reduce.py buckets it there) and ends inside
+                    # STEP, before the optimizer step: the simulator's model, read backwards.
+                    ms = last_b[0] + step_ms - lay.optimizer_ms_per_byte * p
+                    if ms > 0:
+                        reduce.append(2 * (st.replicas - 1) / st.replicas * p / (ms / 1e3))
+            if own_per_mb:
+                groups.append(((a, b), profiled, statistics.median(own_per_mb)))
     if not per_action:
         raise ProfileError(f"the trace holds no forward after step {skip}: run pipeflow-train --trace for more "
                            "steps on this plan")
-    out = {"action_ms": max(0.0, statistics.median(per_action))}
+    out = _fit(groups) or {"action_ms": max(0.0, statistics.median(per_action))}
+    # the mean: a cost paid every K steps (the loss report of --log-every K) is paid on average
+    out["step_gap_ms"] = statistics.fmean(gaps) if gaps else 0.0
     if sends:
         out["message_ms"] = statistics.median(sends)
     if reduce:
         out["link_bandwidth"] = statistics.median(reduce)
-    period = _step_period_ms(by_rank, skip) if sends and schedule_kind(plan.schedule).flush else None
-    if period is not None:
-        out["latency_ms"] = _latency_ms(profile, plan, out, period, optimizer)
+    latencies = []
+    for prof, pl, tr in runs:
+        by_rank = _spans(tr)
+        piped = any(kind in SENDS for steps in by_rank.values() for spans in steps.values() for kind, _, _ in spans)
+        period = _step_period_ms(by_rank, skip) if piped and schedule_kind(pl.schedule).flush else None
+        if period is not None:
+            latencies.append(_latency_ms(prof, pl, out, period, optimizer))
+    if latencies:
+        out["latency_ms"] = statistics.median(latencies)
+    return out
+
+
+def _fit(groups: list[tuple[tuple[int, int], float, float]]) -> dict[str, float] | None:
+    """A rank's own time per microbatch, own = compute_factor * profiled + 2 action_ms + 2 layer_ms * layers,
+    least squares over the (rank, run) groups, with the terms the runs can tell apart (else None):
+    `compute_factor` where the same layers were profiled at work SPREAD x apart (two microbatch sizes; one size
+    cannot tell a factor from a constant), `layer_ms` where ranks held SPREAD x more layers than others (a
+    pipeline and data parallelism: a cost per layer call, dispatch, from a cost per action). A term whose fit is
+    negative is dropped and the rest fitted again."""
+    by_layers: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for layers, x, _ in groups:
+        by_layers[layers].append(x)
+    counts = [b - a for (a, b), _, _ in groups]
+    terms = {"compute_factor": any(min(xs) > 0 and max(xs) >= SPREAD * min(xs) for xs in by_layers.values()),
+             "layer_ms": min(counts) > 0 and max(counts) >= SPREAD * min(counts), "action_ms": True}
+    if not (terms["compute_factor"] or terms["layer_ms"]):
+        return None
+    xs = np.array([x for _, x, _ in groups])
+    ys = np.array([y for _, _, y in groups])
+    column = {"compute_factor": xs, "action_ms": np.full(len(xs), 2.0), "layer_ms": 2.0 * np.array(counts, float)}
+    while True:
+        names = [k for k, on in terms.items() if on]
+        target = ys if terms["compute_factor"] else ys - xs  # without a factor the layers take their profile
+        coef, *_ = np.linalg.lstsq(np.stack([column[k] for k in names], axis=1), target, rcond=None)
+        fit = dict(zip(names, (float(c) for c in coef)))
+        bad = [k for k in names if fit[k] < 0 or (k == "compute_factor" and fit[k] == 0)]
+        if not bad:
+            break
+        terms[bad[0]] = False
+        if not any(terms.values()):
+            return None
+    out = {"action_ms": fit.get("action_ms", 0.0)}
+    out.update({k: fit[k] for k in ("compute_factor", "layer_ms") if k in fit})
     return out
 
 
@@ -164,24 +244,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("profile", help="profile.json the plan was made from")
     p.add_argument("plan", help="plan.json that pipeflow-train ran")
     p.add_argument("trace", help="the Chrome trace that pipeflow-train --trace wrote")
+    p.add_argument("--also", nargs=3, action="append", default=[], metavar=("PROFILE", "PLAN", "TRACE"),
+                   help="another traced run on this machine (e.g. at another microbatch size, or data parallel), "
+                        "read with the first: together they can tell compute_factor from action_ms")
     p.add_argument("--skip", type=int, default=2, help="first steps left out (warm-up; default 2)")
-    p.add_argument("-o", "--output", required=True, help="profile.json to write, with action_ms and message_ms")
+    p.add_argument("-o", "--output", required=True, help="the first profile.json with the runtime's costs added")
     args = p.parse_args(argv)
     try:
         if args.skip < 0:
             raise ProfileError(f"--skip must be >= 0, found {args.skip}")
-        profile, plan = Profile.load(args.profile), Plan.load(args.plan)
-        plan.validate(num_layers=len(profile.layers))
-        found = calibrate(profile, plan, read_json(args.trace, "trace", ProfileError), skip=args.skip)
-        with_costs(profile, {k: round(v, 6) if k.endswith("_ms") else v for k, v in found.items()}).save(args.output)
+        runs = []
+        for prof_path, plan_path, trace_path in [(args.profile, args.plan, args.trace), *args.also]:
+            profile, plan = Profile.load(prof_path), Plan.load(plan_path)
+            plan.validate(num_layers=len(profile.layers))
+            runs.append((profile, plan, read_json(trace_path, "trace", ProfileError)))
+        found = calibrate(*runs[0], skip=args.skip, also=runs[1:])
+        with_costs(runs[0][0], {k: round(v, 6) if k.endswith("_ms") or k == "compute_factor" else v
+                                for k, v in found.items()}).save(args.output)
     except (ProfileError, PlanError, OSError) as e:
         print(f"calibrate: error: {e}", file=sys.stderr)
         return 2
     print(f"runtime per action {found['action_ms']:.3f} ms"
+          + (f", per layer {found['layer_ms']:.3f} ms" if "layer_ms" in found else "")
+          + (f", layers x {found['compute_factor']:.3f}" if "compute_factor" in found else "")
           + (f", per message sent {found['message_ms']:.3f} ms" if "message_ms" in found else "")
           + (f", all-reduce {found['link_bandwidth'] / 1e9:.2f} GB/s" if "link_bandwidth" in found else "")
           + (f", latency per message {found['latency_ms']:.3f} ms" if "latency_ms" in found else "")
-          + f" -> {args.output}")
+          + f", between steps {found['step_gap_ms']:.3f} ms -> {args.output}")
     return 0
 
 

@@ -69,12 +69,15 @@ class LayerCosts:
     action_ms: float = 0.0  # the runtime's own time per forward and per backward of a stage (profile.action_ms)
     message_ms: float = 0.0  # the sender's time per message to a neighbouring stage (profile.message_ms)
     latency_ms: float = 0.0  # a message's delay beyond bytes / bandwidth (profile.latency_ms; simulator only)
+    step_gap_ms: float = 0.0  # the runtime's time between two steps (profile.step_gap_ms; once per step)
+    layer_ms: float = 0.0  # the runtime's own time per layer of a stage, per forward and backward (profile.layer_ms)
 
     @classmethod
     def of(cls, forward_ms: Sequence[float], backward_ms: Sequence[float], output_bytes: Sequence[float],
            activation_bytes: Sequence[float], parameter_bytes: Sequence[float], *, loss_ms: float = 0.0,
            optimizer_ms_per_byte: float = 0.0, backward_weight_ms: Sequence[float] | None = None,
-           action_ms: float = 0.0, message_ms: float = 0.0, latency_ms: float = 0.0) -> LayerCosts:
+           action_ms: float = 0.0, message_ms: float = 0.0, latency_ms: float = 0.0,
+           step_gap_ms: float = 0.0, layer_ms: float = 0.0) -> LayerCosts:
         cols = [np.asarray(c, dtype=np.float64) for c in
                 (forward_ms, backward_ms, output_bytes, activation_bytes, parameter_bytes)]
         if len({len(c) for c in cols}) != 1 or len(cols[0]) == 0:
@@ -82,19 +85,21 @@ class LayerCosts:
                                 f"{[len(c) for c in cols]}")
         weight = None if backward_weight_ms is None else np.minimum(np.asarray(backward_weight_ms, np.float64), cols[1])
         return cls(cols[0], cols[1], cols[2], cols[3], cols[4], float(loss_ms), float(optimizer_ms_per_byte), weight,
-                   float(action_ms), float(message_ms), float(latency_ms))
+                   float(action_ms), float(message_ms), float(latency_ms), float(step_gap_ms), float(layer_ms))
 
     def __len__(self) -> int:
         return len(self.forward_ms)
 
     def stage_overhead_ms(self, i: np.ndarray | int, k: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
         """What the runtime adds to one forward and one backward of stage [i, k) beyond its layers (the one
-        definition the DP's bound and the simulator's stage costs both use): `action_ms` on each, and the
-        sender's `message_ms` on the forward when a stage follows (k < L: it sends the activation) and on
-        the backward when one precedes (i > 0: it sends the input gradient)."""
+        definition the DP's bound and the simulator's stage costs both use): `action_ms` on each plus
+        `layer_ms` per layer of the stage, and the sender's `message_ms` on the forward when a stage follows
+        (k < L: it sends the activation) and on the backward when one precedes (i > 0: it sends the input
+        gradient)."""
         n = len(self)
-        fwd = self.action_ms + self.message_ms * (np.asarray(k) < n)
-        bwd = self.action_ms + self.message_ms * (np.asarray(i) > 0)
+        own = self.action_ms + self.layer_ms * (np.asarray(k) - np.asarray(i))
+        fwd = own + self.message_ms * (np.asarray(k) < n)
+        bwd = own + self.message_ms * (np.asarray(i) > 0)
         return np.asarray(fwd, dtype=np.float64), np.asarray(bwd, dtype=np.float64)
 
 

@@ -64,6 +64,7 @@ def price(lay: LayerCosts, topology: Topology, schedule: str, microbatches: int,
     sim = simulate(schedule, costs, [len(r) for r in ranks], microbatches, optimizer=optimizer,
                    keep_timeline=keep_timeline, ranks=ranks, topology=topology,
                    virtual_stages=len(ranks) // groups)
+    sim.step_ms += lay.step_gap_ms  # the runtime's time between two steps (calibrated), once per step
     return costs, sim
 
 

@@ -9,8 +9,10 @@ parameter byte). The planner uses them when present and counts them as 0 (or bac
 an absent `backward_weight_ms` is estimated (Profile.weight_column). Also optional at the top, the
 runtime's own costs on this machine (`python -m partitioner.calibrate`, from a traced run):
 `action_ms`, added to every forward and backward of a stage, `message_ms`, the sender's time per
-message to a neighbouring stage, and `latency_ms`, the time a message takes beyond bytes / bandwidth until
-the receiver can use it (it does not hold the link).
+message to a neighbouring stage, `latency_ms`, the time a message takes beyond bytes / bandwidth until
+the receiver can use it (it does not hold the link), `step_gap_ms`, the runtime's time between two steps,
+`layer_ms`, the runtime's own time per layer of a stage on each forward and backward (Python dispatch), and
+`compute_factor`, how much slower (or faster) the layers run in a running stage than profiled.
 
 On CUDA with more than one GPU visible, the optional `link_bandwidth` (bytes/s, measured GPU to GPU) is the
 default topology of pipeflow-plan when --topology is not given; on CPU partitioner.calibrate writes it (the
@@ -34,7 +36,8 @@ from partitioner.jsonfile import check_fields, field_problem, read_json, write_j
 PROFILE_FORMAT = "pipeflow.profile/1"
 LAYER_NUMBERS = ("forward_ms", "backward_ms", "output_bytes", "activation_bytes", "parameter_bytes")
 OPTIONAL_LAYER_NUMBERS = ("backward_accumulate_ms", "backward_weight_ms")
-RUNTIME_NUMBERS = ("action_ms", "message_ms", "latency_ms")  # optional, at the top
+RUNTIME_NUMBERS = ("action_ms", "message_ms", "latency_ms", "step_gap_ms", "layer_ms")  # optional, at the top
+MAX_COMPUTE_FACTOR = 100.0
 TIMINGS = ("idle", "kernels")  # pipeflow-profile --timing on CUDA (partitioner.measure.Timer)
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 # Upper bounds of a plausible measurement: sums over layers and microbatches must stay finite in float64
@@ -96,6 +99,9 @@ class Profile:
     action_ms: float | None = None  # the runtime's own time per forward or backward of a stage (calibrated)
     message_ms: float | None = None  # the sender's time per message between stages (calibrated)
     latency_ms: float | None = None  # a message's delay beyond bytes / bandwidth, off the link (calibrated)
+    step_gap_ms: float | None = None  # the runtime's time between two steps, once per step (calibrated)
+    layer_ms: float | None = None  # the runtime's own time per layer of a stage, per forward or backward (calibrated)
+    compute_factor: float | None = None  # the layers' time in a running stage / as profiled (calibrated)
     timing: str | None = None  # CUDA: how the layers were timed, "idle" or "kernels" (pipeflow-profile --timing)
 
     def __post_init__(self) -> None:
@@ -132,6 +138,10 @@ class Profile:
             v = getattr(self, key)
             if v is not None and (not _is_number(v) or not 0 <= v <= MAX_MS):
                 raise ProfileError(f"{source}: {key} must be a number in [0, {MAX_MS:g}] (ms), found {_show(v)}")
+        f = self.compute_factor
+        if f is not None and (not _is_number(f) or not 0 < f <= MAX_COMPUTE_FACTOR):
+            raise ProfileError(f"{source}: compute_factor must be a number in (0, {MAX_COMPUTE_FACTOR:g}], "
+                               f"found {_show(f)}")
         if self.timing is not None and self.timing not in TIMINGS:
             raise ProfileError(f"{source}: timing must be one of {', '.join(TIMINGS)}, found {_show(self.timing)}")
         bw = self.link_bandwidth
@@ -180,7 +190,7 @@ class Profile:
             d["link_bandwidth"] = self.link_bandwidth
         if self.timing is not None:
             d["timing"] = self.timing
-        d.update({k: getattr(self, k) for k in RUNTIME_NUMBERS if getattr(self, k) is not None})
+        d.update({k: getattr(self, k) for k in (*RUNTIME_NUMBERS, "compute_factor") if getattr(self, k) is not None})
         return d
 
     def save(self, path: str | Path) -> None:
@@ -212,7 +222,9 @@ class Profile:
             return cls(d["model"], d.get("model_args", {}), d["device"], d["dtype"], d["microbatch_size"], layers,
                        d.get("loss_ms"), d.get("optimizer_ms_per_byte", {}), others,
                        link_bandwidth=d.get("link_bandwidth"), action_ms=d.get("action_ms"),
-                       message_ms=d.get("message_ms"), latency_ms=d.get("latency_ms"), timing=d.get("timing"))
+                       message_ms=d.get("message_ms"), latency_ms=d.get("latency_ms"),
+                       step_gap_ms=d.get("step_gap_ms"), layer_ms=d.get("layer_ms"),
+                       compute_factor=d.get("compute_factor"), timing=d.get("timing"))
         except ProfileError as e:
             # __post_init__ validated with the default source name; say which file.
             raise ProfileError(str(e).replace("profile: ", f"{source}: ", 1)) from None

@@ -58,14 +58,18 @@ class Planned:
 
 def layer_costs(profile: Profile, schedule: str, optimizer: str) -> LayerCosts:
     """The profile's columns for this schedule: flush schedules and 2bw accumulate gradients over the
-    microbatches of a step (backward_accumulate_ms where profiled), async steps after every backward."""
-    return LayerCosts.of(profile.column("forward_ms"),
-                         profile.backward_column(accumulate=not schedule_kind(schedule).step_per_backward),
+    microbatches of a step (backward_accumulate_ms where profiled), async steps after every backward. The
+    layers' and the loss's times are scaled by the calibrated compute_factor (1 when absent)."""
+    f = profile.compute_factor or 1.0
+    backward = profile.backward_column(accumulate=not schedule_kind(schedule).step_per_backward)
+    return LayerCosts.of([f * x for x in profile.column("forward_ms")], [f * x for x in backward],
                          profile.column("output_bytes"), profile.column("activation_bytes"),
-                         profile.column("parameter_bytes"), loss_ms=profile.loss_ms or 0.0,
+                         profile.column("parameter_bytes"), loss_ms=f * (profile.loss_ms or 0.0),
                          optimizer_ms_per_byte=profile.optimizer_ms_per_byte.get(optimizer, 0.0),
-                         backward_weight_ms=profile.weight_column(), action_ms=profile.action_ms or 0.0,
-                         message_ms=profile.message_ms or 0.0, latency_ms=profile.latency_ms or 0.0)
+                         backward_weight_ms=[f * x for x in profile.weight_column()],
+                         action_ms=profile.action_ms or 0.0, message_ms=profile.message_ms or 0.0,
+                         latency_ms=profile.latency_ms or 0.0, step_gap_ms=profile.step_gap_ms or 0.0,
+                         layer_ms=profile.layer_ms or 0.0)
 
 
 def _explain(model: CostModel, workers: int) -> PlanningError:

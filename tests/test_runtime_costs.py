@@ -109,20 +109,33 @@ def test_calibrate_reads_dispatch_and_sends_from_the_trace(tmp_path: Path) -> No
 
 
 def test_calibrated_latency_makes_the_simulation_take_the_traced_step_time() -> None:
-    # The same spans, steps 100 ms apart: what the simulation with the calibrated action and message costs
-    # leaves of the 100 ms is read as a latency per message, at which the simulated step takes 100 ms.
-    spans = {0: [("F0", 0.0, 1.5), ("SEND_F0", 1.5, 0.3), ("WAIT_B0", 1.8, 2.2), ("B0", 4.0, 1.5), ("STEP", 5.7, 1.0)],
-             1: [("WAIT_F0", 0.0, 1.8), ("F0", 1.8, 1.4), ("B0", 3.2, 1.4), ("SEND_B0", 4.6, 0.3), ("STEP", 4.9, 1.0)]}
+    # Steps 100 ms apart. Rank 0 waits 94.2 ms for its gradient and leaves 1.3 ms between its steps; rank 1
+    # waits for its input from the end of its previous step (its WAIT_F starts 48.1 ms before its step's
+    # 100 ms mark), so it leaves none: step_gap_ms is their mean, 0.65. What the simulation with the calibrated
+    # action, message and gap costs leaves of the 100 ms is read as a latency per message.
+    spans = {0: [("F0", 0.0, 1.5), ("SEND_F0", 1.5, 0.3), ("WAIT_B0", 1.8, 94.2), ("B0", 96.0, 1.5),
+                 ("STEP", 97.7, 1.0)],
+             1: [("WAIT_F0", -48.1, 95.9), ("F0", 47.8, 1.4), ("B0", 49.2, 1.4), ("SEND_B0", 50.6, 0.3),
+                 ("STEP", 50.9, 1.0)]}
     prof, plan = profile(), straight("1f1b", 1)
     found = calibrate(prof, plan, trace(spans, 5), skip=2)
-    without = evaluate_plan(profile(action_ms=found["action_ms"], message_ms=found["message_ms"]), plan)
+    assert found["step_gap_ms"] == pytest.approx(0.65)
+    without = evaluate_plan(profile(**{k: found[k] for k in ("action_ms", "message_ms", "step_gap_ms")}), plan)
     assert without.plan.predicted["step_ms"] < 10  # the traced 100 ms are mostly unexplained
     with_latency = evaluate_plan(profile(**found), plan)
     assert with_latency.plan.predicted["step_ms"] == pytest.approx(100.0, abs=1e-6)
     # One microbatch through two stages: its activation and its gradient lie on the critical path.
     assert found["latency_ms"] == pytest.approx((100.0 - without.plan.predicted["step_ms"]) / 2, abs=1e-6)
-    # A run no slower than its simulation has no latency to explain.
-    assert calibrate(prof, plan, trace(spans, 5, period=without.plan.predicted["step_ms"]), skip=2)["latency_ms"] == 0.0
+    # A run no slower than its simulation has no latency to explain: the same work packed into 7 ms steps
+    # (gaps 0.3 and 1.1 ms), simulated at 4 x (1 + 0.5) + 2 x 0.3 + 0.7 = 7.3 ms.
+    packed = {0: [("F0", 0.0, 1.5), ("SEND_F0", 1.5, 0.3), ("WAIT_B0", 1.8, 2.2), ("B0", 4.0, 1.5),
+                  ("STEP", 5.7, 1.0)],
+              1: [("WAIT_F0", 0.0, 1.8), ("F0", 1.8, 1.4), ("B0", 3.2, 1.4), ("SEND_B0", 4.6, 0.3), ("STEP", 4.9, 1.0)]}
+    fast = calibrate(prof, plan, trace(packed, 5, period=7.0), skip=2)
+    assert fast["step_gap_ms"] == pytest.approx(0.7)
+    assert evaluate_plan(profile(**{k: v for k, v in fast.items() if k != "latency_ms"}), plan).plan.predicted[
+        "step_ms"] == pytest.approx(7.3)
+    assert fast["latency_ms"] == 0.0
 
 
 def test_latency_delays_the_receiver_but_does_not_hold_the_link() -> None:
@@ -156,7 +169,8 @@ def test_calibrate_reads_the_allreduce_bandwidth_of_replicas() -> None:
     prof = Profile("m", {}, "cpu", "float32", 1, [LayerProfile(f"l{i}", 1.0, 1.0, 0, 0, 1_000_000) for i in range(2)])
     plan = Plan("1f1b", 2, 2, [StagePlan((0, 2), 2, [0, 1])])
     spans = {r: [("F0", 0.0, 2.0), ("B0", 2.0, 2.0), ("STEP", 4.0, 2.0)] for r in (0, 1)}
-    assert calibrate(prof, plan, trace(spans, 4)) == pytest.approx({"action_ms": 0.0, "link_bandwidth": 5e8})
+    assert calibrate(prof, plan, trace(spans, 4)) == pytest.approx({"action_ms": 0.0, "link_bandwidth": 5e8,
+                                                                    "step_gap_ms": 94.0})
 
 
 def test_calibrate_refuses_an_interleaved_plan() -> None:
@@ -164,3 +178,90 @@ def test_calibrate_refuses_an_interleaved_plan() -> None:
     prof = Profile("m", {}, "cpu", "float32", 1, [LayerProfile(f"l{i}", 1.0, 1.0, 0, 0, 0) for i in range(4)])
     with pytest.raises(ProfileError, match=r"^calibrate needs a plan with one stage per rank, found 2 chunks per rank"):
         calibrate(prof, plan, trace({0: [("F0", 0.0, 1.0)]}, 3))
+
+
+def sized(ms: float, n: int = 2) -> Profile:
+    """n layers of `ms` forward and `ms` backward: a profile at another microbatch size."""
+    return Profile("m", {}, "cpu", "float32", 1, [LayerProfile(f"l{i}", ms, ms, 0, 0, 0) for i in range(n)])
+
+
+def own_spans(per_mb: float) -> dict[int, list[tuple[str, float, float]]]:
+    """Both ranks of a straight pipeline with one microbatch: F and B of per_mb / 2 ms each."""
+    h = per_mb / 2
+    return {0: [("F0", 0.0, h), ("WAIT_B0", h, 1.0), ("B0", h + 1.0, h)],
+            1: [("WAIT_F0", 0.0, 0.5), ("F0", 0.5, h), ("B0", 0.5 + h, h)]}
+
+
+def test_two_sizes_tell_a_compute_factor_from_a_cost_per_action(tmp_path: Path) -> None:
+    # The layers run 1.1 x their profiled time in a stage, and each action costs 0.3 ms more: a rank's own time
+    # per microbatch is 1.1 x profiled + 0.6. At one size (2 ms profiled per rank) that is 2.8 ms, read as
+    # 0.4 ms per action; with a second size (8 ms profiled: 9.4 ms) the two are told apart.
+    small, big, plan = sized(1.0), sized(4.0), straight("gpipe", 1)
+    one = calibrate(small, plan, trace(own_spans(2.8), 5), skip=2)
+    assert "compute_factor" not in one and one["action_ms"] == pytest.approx(0.4)
+    both = calibrate(small, plan, trace(own_spans(2.8), 5), skip=2, also=[(big, plan, trace(own_spans(9.4), 5))])
+    assert (both["compute_factor"], both["action_ms"]) == pytest.approx((1.1, 0.3))
+    # A fit whose constant would be negative keeps the factor alone, through the origin: (2 x 1.5 x 2 + 2 x 8
+    # x 7.9) / (2 x 4 + 2 x 64).
+    neg = calibrate(small, plan, trace(own_spans(1.5), 5), skip=2, also=[(big, plan, trace(own_spans(7.9), 5))])
+    assert (neg["compute_factor"], neg["action_ms"]) == pytest.approx(((6 + 126.4) / 136, 0.0))
+    # The command line: --also PROFILE PLAN TRACE; the factor is written into the first profile.
+    for name, prof, per_mb in (("s", small, 2.8), ("b", big, 9.4)):
+        prof.save(tmp_path / f"{name}.json")
+        (tmp_path / f"{name}-t.json").write_text(json.dumps(trace(own_spans(per_mb), 5)))
+    plan.save(tmp_path / "plan.json")
+    assert calibrate_main([str(tmp_path / x) for x in ("s.json", "plan.json", "s-t.json")]
+                          + ["--also", *(str(tmp_path / x) for x in ("b.json", "plan.json", "b-t.json")),
+                             "-o", str(tmp_path / "out.json")]) == 0
+    out = Profile.load(tmp_path / "out.json")
+    assert (out.compute_factor, out.action_ms) == pytest.approx((1.1, 0.3))
+    # Calibrating a calibrated profile reads the layers as profiled, not as already scaled.
+    again = calibrate(out, plan, trace(own_spans(2.8), 5), skip=2, also=[(big, plan, trace(own_spans(9.4), 5))])
+    assert again["compute_factor"] == pytest.approx(1.1)
+
+
+def test_compute_factor_and_step_gap_price_the_plan() -> None:
+    # gpipe, one microbatch through two stages of 1 + 1 ms: 4 ms; layers twice as slow: 8 ms; and a
+    # 0.5 ms gap between steps on top.
+    plan = straight("gpipe", 1)
+    assert evaluate_plan(profile(), plan).plan.predicted["step_ms"] == pytest.approx(4.0)
+    assert evaluate_plan(profile(compute_factor=2.0), plan).plan.predicted["step_ms"] == pytest.approx(8.0)
+    assert evaluate_plan(profile(compute_factor=2.0, step_gap_ms=0.5), plan).plan.predicted["step_ms"] == \
+        pytest.approx(8.5)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, 101.0, "x", True])
+def test_profile_refuses_a_bad_compute_factor(bad: Any) -> None:
+    d = profile().to_json()
+    d["compute_factor"] = bad
+    with pytest.raises(ProfileError, match=r"^p.json: compute_factor must be a number in \(0, 100\], found "):
+        Profile.from_json(d, source="p.json")
+
+
+def test_runtime_numbers_survive_a_round_trip(tmp_path: Path) -> None:
+    profile(compute_factor=1.25, step_gap_ms=0.75, action_ms=0.5).save(tmp_path / "p.json")
+    got = Profile.load(tmp_path / "p.json")
+    assert (got.compute_factor, got.step_gap_ms, got.action_ms) == (1.25, 0.75, 0.5)
+
+
+def test_a_pipeline_and_data_parallelism_tell_a_cost_per_layer_from_a_cost_per_action() -> None:
+    # Each action costs 0.1 ms and each layer in it 0.3 ms more than profiled (dispatch per layer call, as on
+    # CPU). The pipeline's ranks hold one layer (2 ms profiled per microbatch): own 2 + 2 x 0.1 + 2 x 0.3 = 2.8;
+    # the data-parallel ranks hold both (4 ms): 4 + 0.2 + 1.2 = 5.4. Read together: the two costs apart, and
+    # no compute factor (one microbatch size: it would pass for one).
+    small, plan = sized(1.0), straight("gpipe", 1)
+    replicas = Plan("gpipe", 1, 2, [StagePlan((0, 2), 2, [0, 1])])
+    dp = trace({r: [("F0", 0.0, 2.7), ("B0", 2.7, 2.7)] for r in (0, 1)}, 5)
+    found = calibrate(small, plan, trace(own_spans(2.8), 5), skip=2, also=[(small, replicas, dp)])
+    assert "compute_factor" not in found
+    assert (found["action_ms"], found["layer_ms"]) == pytest.approx((0.1, 0.3))
+    # The planner prices them per stage: gpipe, one microbatch through 2 one-layer stages: 4 x (1 + 0.1 + 0.3).
+    assert evaluate_plan(profile(action_ms=0.1, layer_ms=0.3), plan).plan.predicted["step_ms"] == pytest.approx(5.6)
+    # Both kinds of runs at two sizes, the layers 1.1 x their profile: all three terms. own = 1.1 x + 0.2 + 0.6 n:
+    # 3.0 and 5.8 ms at the small size (x = 2, 4), 9.6 and 19.0 at the big one (x = 8, 16).
+    big = sized(4.0)
+    dp_big = trace({r: [("F0", 0.0, 9.5), ("B0", 9.5, 9.5)] for r in (0, 1)}, 5)
+    three = calibrate(small, plan, trace(own_spans(2.2 + 0.8), 5), skip=2,
+                      also=[(small, replicas, trace({r: [("F0", 0.0, 2.9), ("B0", 2.9, 2.9)] for r in (0, 1)}, 5)),
+                            (big, plan, trace(own_spans(8.8 + 0.8), 5)), (big, replicas, dp_big)])
+    assert (three["compute_factor"], three["action_ms"], three["layer_ms"]) == pytest.approx((1.1, 0.1, 0.3))

@@ -22,7 +22,9 @@ Rows (';'-separated), every one at --sequences per optimizer step (default 64):
                                     back to back) instead of each call from an idle device
     ... cal                         pf/big rows on a profiled split: traced as above, then the runtime's costs
                                     read from the trace (python -m partitioner.calibrate); every later row's plan
-                                    is priced again with them ("calibrated ms"; this row's own is circular)
+                                    is priced again with them ("calibrated ms"; this row's own is circular);
+                                    a second cal row is read with the first (e.g. at another microbatch size:
+                                    then a compute factor is told from the cost per action)
     gb SCHEDULE SIZES [sub] [kernels] [mem=GIB]
                                     pipeflow-plan --global-batch (the sequences): profiled at microbatch sizes
                                     SIZES (2,4,8), the planner picks b, m and the split; pipeflow-train runs it
@@ -94,6 +96,7 @@ class Bench:
         self.rows: list[dict[str, str]] = []
         # the runtime's costs read from a traced row ('cal'), for later rows profiled the same way (by 'kernels')
         self.cal: dict[bool, dict[str, float]] = {}
+        self.cal_runs: dict[bool, list[tuple[Path, Path, Path]]] = {}  # the traced runs behind it, read together
         self._flops: dict[str, float] = {}
         self.env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "PIPEFLOW_LOG": "INFO",
                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if args.cpu else "8")}
@@ -317,7 +320,10 @@ class Bench:
         """The runtime's costs from a traced row (partitioner.calibrate), kept for the rows after it whose profile
         was timed the same way."""
         out = self.work / f"cal-{tag}.json"
-        rc, text = self.sh([sys.executable, "-m", "partitioner.calibrate", str(prof), str(plan), str(trace),
+        # every earlier 'cal' row of this timing too: two microbatch sizes tell a compute factor from a cost
+        # per action (partitioner.calibrate --also)
+        also = [x for run in self.cal_runs.get(kernels, []) for x in ("--also", *map(str, run))]
+        rc, text = self.sh([sys.executable, "-m", "partitioner.calibrate", str(prof), str(plan), str(trace), *also,
                             "--skip", str(max(1, self.a.steps // 3)), "-o", str(out)], self.work / f"cal-{tag}.log")
         if rc != 0:
             print(f"  calibrate failed (rc {rc}): {text.strip().splitlines()[-1:]}", flush=True)
@@ -325,9 +331,10 @@ class Bench:
         found, before = json.loads(out.read_text()), json.loads(prof.read_text())
         # what calibrate read from the trace: the output keeps the profile's own fields (a measured GPU-to-GPU
         # copy bandwidth is not an all-reduce's), so only what it added or changed
-        cal = {k: found[k] for k in ("action_ms", "message_ms", "latency_ms", "link_bandwidth")
-               if k in found and found[k] != before.get(k)}
+        cal = {k: found[k] for k in ("action_ms", "message_ms", "latency_ms", "step_gap_ms", "compute_factor",
+                                     "link_bandwidth") if k in found and found[k] != before.get(k)}
         self.cal[kernels] = cal
+        self.cal_runs.setdefault(kernels, []).append((prof, plan, trace))
         print(f"CALIBRATED {tag} {json.dumps(cal)}", flush=True)
 
     def calibrated_ms(self, prof: Path, plan: Path, tag: str, kernels: bool) -> float | None:

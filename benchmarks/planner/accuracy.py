@@ -11,10 +11,12 @@ steady-state samples/s it logs, steps 3 on, give the measured step time m * b / 
 average is printed before and after: on a shared machine the measured times are not the model's.
 
 First, once, the runtime's own costs on this machine are calibrated (partitioner/calibrate.py) from traced
-runs of the first case, the median of --runs each: `action_ms`, `message_ms` and `latency_ms` from a
-straight pipeline, `link_bandwidth` (the all-reduce between ranks) from data parallelism. Every case is
-then planned twice, from its profile as pipeflow-profile wrote it ("profile only") and with the four
-calibrated numbers added ("calibrated"), and trained on the calibrated plan.
+runs of the first case, a straight pipeline and data parallelism read together (`calibrate --also`), the
+median of --runs pairs: `action_ms` and `layer_ms` (the pipeline's ranks hold half the layers of the
+data-parallel ones: a cost per layer call, dispatch, is told from a cost per action), `message_ms`,
+`latency_ms`, `step_gap_ms` and `link_bandwidth` (the all-reduce between ranks). Every case is then planned
+twice, from its profile as pipeflow-profile wrote it ("profile only") and with the calibrated numbers added
+("calibrated"), and trained on the calibrated plan.
 """
 from __future__ import annotations
 
@@ -117,9 +119,10 @@ def _train(model: str, args: dict[str, object], workers: int, b: int, m: int, st
 
 
 def calibration(tmp: Path, runs: int) -> dict[str, float]:
-    """action_ms, message_ms and latency_ms from traced runs of the first case as a straight pipeline (every
-    stage sends), link_bandwidth (the all-reduce between ranks) from traced data-parallel runs of it: each the
-    median of `runs` runs (one run's reading moved by ±25 % between runs on this machine)."""
+    """The runtime's costs from traced runs of the first case as a straight pipeline (every stage sends) and as
+    data parallelism (link_bandwidth: the all-reduce between ranks), each pair read together (action_ms and
+    layer_ms apart): each number the median of `runs` pairs (one run's reading moved by ±25 % between runs on
+    this machine)."""
     model, args, workers, b, m, schedule, steps = CASES[0]
     py = sys.executable
     profile(model, args, b, workers if CONCURRENT else 1, tmp)
@@ -127,17 +130,19 @@ def calibration(tmp: Path, runs: int) -> dict[str, float]:
          "--microbatches", str(m), "--straight", "-o", "straight.json"], tmp)
     layers = len(json.loads((tmp / "profile.json").read_text())["layers"])
     Plan(schedule, m, workers, [StagePlan((0, layers), workers, list(range(workers)))]).save(tmp / "replicas.json")
-    readings: dict[str, list[float]] = {"action_ms": [], "message_ms": [], "latency_ms": [], "link_bandwidth": []}
-    for plan in ("straight.json", "replicas.json"):
-        for _ in range(runs):
-            (tmp / "trace.json").unlink(missing_ok=True)  # a resumed trace appends: each run its own
-            train(model, args, workers, b, m, steps, plan, tmp, "--trace", "trace.json")
-            out = run([py, "-m", "partitioner.calibrate", "profile.json", plan, "trace.json", "-o", "calibrated.json"],
-                      tmp)
-            print(f"# calibration ({model} {json.dumps(args)}, {schedule}, {plan}, traced): {out.strip()}", flush=True)
-            got = json.loads((tmp / "calibrated.json").read_text())
-            for key in ("action_ms", "message_ms", "latency_ms") if plan == "straight.json" else ("link_bandwidth",):
-                readings[key].append(got[key])
+    readings: dict[str, list[float]] = {}
+    for k in range(runs):
+        for plan in ("straight.json", "replicas.json"):
+            (tmp / f"trace-{plan}").unlink(missing_ok=True)  # a resumed trace appends: each run its own
+            train(model, args, workers, b, m, steps, plan, tmp, "--trace", f"trace-{plan}")
+        out = run([py, "-m", "partitioner.calibrate", "profile.json", "straight.json", "trace-straight.json",
+                   "--also", "profile.json", "replicas.json", "trace-replicas.json", "-o", "calibrated.json"], tmp)
+        print(f"# calibration {k + 1} ({model} {json.dumps(args)}, {schedule}, straight and data-parallel, traced): "
+              f"{out.strip()}", flush=True)
+        got = json.loads((tmp / "calibrated.json").read_text())
+        for key in ("action_ms", "layer_ms", "message_ms", "latency_ms", "step_gap_ms", "link_bandwidth"):
+            if key in got or key == "layer_ms":  # no layer_ms read: none
+                readings.setdefault(key, []).append(got.get(key, 0.0))
     found = {key: statistics.median(values) for key, values in readings.items()}
     print(f"# calibrated (medians): {json.dumps(found)}", flush=True)
     return found
