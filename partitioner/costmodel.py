@@ -97,7 +97,7 @@ class LayerCosts:
         (k < L: it sends the activation) and on the backward when one precedes (i > 0: it sends the input
         gradient)."""
         n = len(self)
-        own = self.action_ms + self.layer_ms * (np.asarray(k) - np.asarray(i))
+        own = self.action_ms + (self.layer_ms * (np.asarray(k) - np.asarray(i)) if self.layer_ms else 0.0)
         fwd = own + self.message_ms * (np.asarray(k) < n)
         bwd = own + self.message_ms * (np.asarray(i) > 0)
         return np.asarray(fwd, dtype=np.float64), np.asarray(bwd, dtype=np.float64)
