@@ -38,12 +38,17 @@ own time per microbatch is then fitted as
 with `compute_factor` where the same layers ran at two microbatch sizes (profiled work 1.5 x apart or more:
 work that grows with the layers' time, slower kernels in a busy stage, told from a cost per action, which one
 size alone cannot) and `layer_ms` where some ranks held 1.5 x the layers of others (a pipeline and data
-parallelism: a cost per layer call, Python dispatch, told from a cost per action). The first `--skip` steps
-(warm-up) are left out. The numbers go into profile.json (`action_ms`, `message_ms`, `link_bandwidth`,
-`latency_ms`, `step_gap_ms`, `compute_factor`, `layer_ms`); the planner adds the first two to every stage
-(costmodel.LayerCosts.stage_overhead_ms), plans on the third without --topology, the simulator delays every
-message by the fourth (off the links) and adds the fifth once a step, the layers' times are multiplied by the
-sixth, and the seventh is added per layer of a stage to each of its forwards and backwards. They are
+parallelism: a cost per layer call, Python dispatch, told from a cost per action). From an async trace (an
+update after every backward, no agreement in its STEP):
+
+    update_ms = median of (STEP spans + the host's gaps right after them) / updates - profiled optimizer step
+
+The first `--skip` steps (warm-up) are left out. The numbers go into profile.json (`action_ms`, `message_ms`,
+`link_bandwidth`, `latency_ms`, `step_gap_ms`, `compute_factor`, `layer_ms`, `update_ms`); the planner adds
+the first two to every stage (costmodel.LayerCosts.stage_overhead_ms), plans on the third without
+--topology, the simulator delays every message by the fourth (off the links) and adds the fifth once a step,
+the layers' times are multiplied by the sixth, the seventh is added per layer of a stage to each of its
+forwards and backwards, and the eighth to every optimizer step of a rank. They are
 properties of the machine and the runtime, so the calibration runs serve the other models planned on that
 machine.
 """
@@ -103,6 +108,7 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
     sends: list[float] = []
     reduce: list[float] = []  # bytes/s of the replicas' all-reduce, per rank and step
     gaps: list[float] = []  # ms between a rank's steps, outside every span
+    per_update: list[float] = []  # ms an update takes beyond the profiled optimizer step (async traces)
     for prof, pl, tr in runs:
         if pl.virtual_stages > 1:
             raise ProfileError(f"calibrate needs a plan with one stage per rank, found {pl.virtual_stages} chunks "
@@ -121,7 +127,8 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
                     continue
                 n = sum(kind == "F" for kind, _, _ in spans)
                 own = sum(end - start for kind, start, end in spans if kind in OWN)
-                own += sum(max(0.0, nxt[1] - prev[2]) for prev, nxt in zip(spans, spans[1:]))
+                after = [(prev[0], max(0.0, nxt[1] - prev[2])) for prev, nxt in zip(spans, spans[1:])]
+                own += sum(gap for kind, gap in after if kind != "STEP")  # a gap after an update is the update's
                 sends += [end - start for kind, start, end in spans if kind in SENDS]
                 if n:
                     per_action.append((own - n * profiled) / (2 * n))
@@ -131,6 +138,12 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
                     gaps.append(max(0.0, nxt_spans[0][1] - max(end for _, _, end in spans)))
                 last_b = [end - start for kind, start, end in spans if kind == "B"][-1:]
                 step_ms = sum(end - start for kind, start, end in spans if kind == "STEP")
+                updates = sum(kind == "STEP" for kind, _, _ in spans)
+                if schedule_kind(pl.schedule).step_per_backward and st.replicas == 1 and updates:
+                    # async: an update after every backward, no agreement in it; what it and the host's time
+                    # right after it take beyond the profiled optimizer step
+                    spent = step_ms + sum(gap for kind, gap in after if kind == "STEP")
+                    per_update.append(spent / updates - lay.optimizer_ms_per_byte * p)
                 if st.replicas > 1 and p > 0 and last_b:
                     # The all-reduce starts with the last backward (reduce.py buckets it there) and ends inside
                     # STEP, before the optimizer step: the simulator's model, read backwards.
@@ -145,6 +158,8 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
     out = _fit(groups) or {"action_ms": max(0.0, statistics.median(per_action))}
     # the mean: a cost paid every K steps (the loss report of --log-every K) is paid on average
     out["step_gap_ms"] = statistics.fmean(gaps) if gaps else 0.0
+    if per_update:
+        out["update_ms"] = max(0.0, statistics.median(per_update))
     if sends:
         out["message_ms"] = statistics.median(sends)
     if reduce:
@@ -270,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
           + (f", per message sent {found['message_ms']:.3f} ms" if "message_ms" in found else "")
           + (f", all-reduce {found['link_bandwidth'] / 1e9:.2f} GB/s" if "link_bandwidth" in found else "")
           + (f", latency per message {found['latency_ms']:.3f} ms" if "latency_ms" in found else "")
+          + (f", per update {found['update_ms']:.3f} ms" if "update_ms" in found else "")
           + f", between steps {found['step_gap_ms']:.3f} ms -> {args.output}")
     return 0
 

@@ -71,13 +71,14 @@ class LayerCosts:
     latency_ms: float = 0.0  # a message's delay beyond bytes / bandwidth (profile.latency_ms; simulator only)
     step_gap_ms: float = 0.0  # the runtime's time between two steps (profile.step_gap_ms; once per step)
     layer_ms: float = 0.0  # the runtime's own time per layer of a stage, per forward and backward (profile.layer_ms)
+    update_ms: float = 0.0  # the runtime's own time per optimizer update beyond the profiled step (profile.update_ms)
 
     @classmethod
     def of(cls, forward_ms: Sequence[float], backward_ms: Sequence[float], output_bytes: Sequence[float],
            activation_bytes: Sequence[float], parameter_bytes: Sequence[float], *, loss_ms: float = 0.0,
            optimizer_ms_per_byte: float = 0.0, backward_weight_ms: Sequence[float] | None = None,
            action_ms: float = 0.0, message_ms: float = 0.0, latency_ms: float = 0.0,
-           step_gap_ms: float = 0.0, layer_ms: float = 0.0) -> LayerCosts:
+           step_gap_ms: float = 0.0, layer_ms: float = 0.0, update_ms: float = 0.0) -> LayerCosts:
         cols = [np.asarray(c, dtype=np.float64) for c in
                 (forward_ms, backward_ms, output_bytes, activation_bytes, parameter_bytes)]
         if len({len(c) for c in cols}) != 1 or len(cols[0]) == 0:
@@ -85,7 +86,8 @@ class LayerCosts:
                                 f"{[len(c) for c in cols]}")
         weight = None if backward_weight_ms is None else np.minimum(np.asarray(backward_weight_ms, np.float64), cols[1])
         return cls(cols[0], cols[1], cols[2], cols[3], cols[4], float(loss_ms), float(optimizer_ms_per_byte), weight,
-                   float(action_ms), float(message_ms), float(latency_ms), float(step_gap_ms), float(layer_ms))
+                   float(action_ms), float(message_ms), float(latency_ms), float(step_gap_ms), float(layer_ms),
+                   float(update_ms))
 
     def __len__(self) -> int:
         return len(self.forward_ms)
@@ -172,7 +174,7 @@ class CostModel:
         b = self.Bw[k] - self.Bw[i] + self.layers.stage_overhead_ms(i, k)[1]
         exposed = np.maximum(0.0, self.allreduce_ms(p, r, level) - b)
         if level == 0:
-            exposed = exposed + self.layers.optimizer_ms_per_byte * p
+            exposed = exposed + self.layers.optimizer_ms_per_byte * p + self.layers.update_ms
         busy = np.asarray(unit_ms) * (self.share(r) / self.microbatches)
         if self.kind.flush and level == len(self.topology.levels) - 1:
             out = self._flushed(busy, i, k, r, b, exposed)

@@ -61,6 +61,8 @@ def price(lay: LayerCosts, topology: Topology, schedule: str, microbatches: int,
     costs = stage_costs(lay, topology, ranges, ranks)
     # Stage k on the ranks of stage k mod S (chunks placed round-robin, partitioner/plan.py): v = stages / S.
     groups = next((k for k in range(1, len(ranks)) if list(ranks[k]) == list(ranks[0])), len(ranks))
+    for cost in costs[:groups]:  # the runtime's own time per update: one update of a rank's chunks together
+        cost.optimizer_ms += lay.update_ms
     sim = simulate(schedule, costs, [len(r) for r in ranks], microbatches, optimizer=optimizer,
                    keep_timeline=keep_timeline, ranks=ranks, topology=topology,
                    virtual_stages=len(ranks) // groups)

@@ -11,7 +11,8 @@ runtime's own costs on this machine (`python -m partitioner.calibrate`, from a t
 `action_ms`, added to every forward and backward of a stage, `message_ms`, the sender's time per
 message to a neighbouring stage, `latency_ms`, the time a message takes beyond bytes / bandwidth until
 the receiver can use it (it does not hold the link), `step_gap_ms`, the runtime's time between two steps,
-`layer_ms`, the runtime's own time per layer of a stage on each forward and backward (Python dispatch), and
+`layer_ms`, the runtime's own time per layer of a stage on each forward and backward (Python dispatch),
+`update_ms`, the runtime's own time per optimizer update beyond the profiled step, and
 `compute_factor`, how much slower (or faster) the layers run in a running stage than profiled.
 
 On CUDA with more than one GPU visible, the optional `link_bandwidth` (bytes/s, measured GPU to GPU) is the
@@ -36,7 +37,7 @@ from partitioner.jsonfile import check_fields, field_problem, read_json, write_j
 PROFILE_FORMAT = "pipeflow.profile/1"
 LAYER_NUMBERS = ("forward_ms", "backward_ms", "output_bytes", "activation_bytes", "parameter_bytes")
 OPTIONAL_LAYER_NUMBERS = ("backward_accumulate_ms", "backward_weight_ms")
-RUNTIME_NUMBERS = ("action_ms", "message_ms", "latency_ms", "step_gap_ms", "layer_ms")  # optional, at the top
+RUNTIME_NUMBERS = ("action_ms", "message_ms", "latency_ms", "step_gap_ms", "layer_ms", "update_ms")  # optional
 MAX_COMPUTE_FACTOR = 100.0
 TIMINGS = ("idle", "kernels")  # pipeflow-profile --timing on CUDA (partitioner.measure.Timer)
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -101,6 +102,7 @@ class Profile:
     latency_ms: float | None = None  # a message's delay beyond bytes / bandwidth, off the link (calibrated)
     step_gap_ms: float | None = None  # the runtime's time between two steps, once per step (calibrated)
     layer_ms: float | None = None  # the runtime's own time per layer of a stage, per forward or backward (calibrated)
+    update_ms: float | None = None  # the runtime's own time per optimizer update beyond its profile (calibrated)
     compute_factor: float | None = None  # the layers' time in a running stage / as profiled (calibrated)
     timing: str | None = None  # CUDA: how the layers were timed, "idle" or "kernels" (pipeflow-profile --timing)
 
@@ -223,7 +225,7 @@ class Profile:
                        d.get("loss_ms"), d.get("optimizer_ms_per_byte", {}), others,
                        link_bandwidth=d.get("link_bandwidth"), action_ms=d.get("action_ms"),
                        message_ms=d.get("message_ms"), latency_ms=d.get("latency_ms"),
-                       step_gap_ms=d.get("step_gap_ms"), layer_ms=d.get("layer_ms"),
+                       step_gap_ms=d.get("step_gap_ms"), layer_ms=d.get("layer_ms"), update_ms=d.get("update_ms"),
                        compute_factor=d.get("compute_factor"), timing=d.get("timing"))
         except ProfileError as e:
             # __post_init__ validated with the default source name; say which file.

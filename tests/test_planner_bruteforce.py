@@ -72,7 +72,7 @@ def random_profile(rng: random.Random, n: int) -> Profile:
     if rng.random() < 1 / 3:
         prof.action_ms, prof.message_ms, prof.latency_ms = rng.uniform(0, 1), rng.uniform(0, 2), rng.uniform(0, 3)
         prof.step_gap_ms, prof.compute_factor = rng.uniform(0, 2), rng.uniform(0.8, 1.5)
-        prof.layer_ms = rng.uniform(0, 0.5)
+        prof.layer_ms, prof.update_ms = rng.uniform(0, 0.5), rng.uniform(0, 2)
     return prof
 
 

@@ -265,3 +265,23 @@ def test_a_pipeline_and_data_parallelism_tell_a_cost_per_layer_from_a_cost_per_a
                       also=[(small, replicas, trace({r: [("F0", 0.0, 2.9), ("B0", 2.9, 2.9)] for r in (0, 1)}, 5)),
                             (big, plan, trace(own_spans(8.8 + 0.8), 5)), (big, replicas, dp_big)])
     assert (three["compute_factor"], three["action_ms"], three["layer_ms"]) == pytest.approx((1.1, 0.1, 0.3))
+
+
+def test_calibrate_reads_the_time_per_update_from_an_async_trace_and_the_planner_prices_it() -> None:
+    # async updates after every backward. One stage of both layers (2 + 2 ms profiled per microbatch, no
+    # optimizer time), 2 microbatches in 12 ms steps: each STEP takes 1.5 ms, and the host 0.5 ms after the
+    # first (the gap after the last is the step's: step_gap_ms). Per update (1.5 + 0.5 + 1.5) / 2 = 1.75 ms;
+    # the gap after a STEP is not the actions' (action_ms 0).
+    prof = profile()
+    plan = Plan("async", 2, 1, [StagePlan((0, 2), 1, [0])])
+    spans = {0: [("F0", 0.0, 2.0), ("B0", 2.0, 2.0), ("STEP", 4.0, 1.5), ("F1", 6.0, 2.0), ("B1", 8.0, 2.0),
+                 ("STEP", 10.0, 1.5)]}
+    found = calibrate(prof, plan, trace(spans, 5, period=12.0), skip=2)
+    assert found == pytest.approx({"update_ms": 1.75, "action_ms": 0.0, "step_gap_ms": 0.5})
+    # Priced per update, it gives the traced step: 2 x (4 + 1.75) + 0.5 = 12 ms. Under 1f1b, one update a
+    # step: 2 x 4 + 1.75 + 0.5.
+    assert evaluate_plan(profile(**found), plan).plan.predicted["step_ms"] == pytest.approx(12.0)
+    flush = Plan("1f1b", 2, 1, [StagePlan((0, 2), 1, [0])])
+    assert evaluate_plan(profile(**found), flush).plan.predicted["step_ms"] == pytest.approx(10.25)
+    # A flush schedule's STEP also holds the ranks' agreement, which the simulator models: no update_ms from it.
+    assert "update_ms" not in calibrate(prof, flush, trace(spans, 5, period=12.0), skip=2)

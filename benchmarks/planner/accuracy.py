@@ -3,6 +3,7 @@
     python benchmarks/planner/accuracy.py              # the table of benchmarks/planner/README.md
     python benchmarks/planner/accuracy.py --quick      # the first case only
     python benchmarks/planner/accuracy.py --global-batch 64   # the microbatch size pipeflow-plan picks
+    python benchmarks/planner/accuracy.py --schedule async    # every case under async (and update_ms)
 
 Each case runs the three commands a user runs: `pipeflow-profile` (1 torch thread, as a rank), `pipeflow-plan`
 (the simulator's step time is `predicted.step_ms` in plan.json) and `mpirun -np N pipeflow-train --plan` (the
@@ -118,11 +119,12 @@ def _train(model: str, args: dict[str, object], workers: int, b: int, m: int, st
     return m * b / float(found[-1]) * 1e3
 
 
-def calibration(tmp: Path, runs: int) -> dict[str, float]:
+def calibration(tmp: Path, runs: int, updates: bool = False) -> dict[str, float]:
     """The runtime's costs from traced runs of the first case as a straight pipeline (every stage sends) and as
     data parallelism (link_bandwidth: the all-reduce between ranks), each pair read together (action_ms and
     layer_ms apart): each number the median of `runs` pairs (one run's reading moved by ±25 % between runs on
-    this machine)."""
+    this machine). With `updates`, a straight async run of it is traced and read too: `update_ms`, an update's
+    time beyond the profiled optimizer step (async updates after every backward)."""
     model, args, workers, b, m, schedule, steps = CASES[0]
     py = sys.executable
     profile(model, args, b, workers if CONCURRENT else 1, tmp)
@@ -130,17 +132,24 @@ def calibration(tmp: Path, runs: int) -> dict[str, float]:
          "--microbatches", str(m), "--straight", "-o", "straight.json"], tmp)
     layers = len(json.loads((tmp / "profile.json").read_text())["layers"])
     Plan(schedule, m, workers, [StagePlan((0, layers), workers, list(range(workers)))]).save(tmp / "replicas.json")
+    plans = ["straight.json", "replicas.json"]
+    if updates:
+        run([py, "-m", "partitioner.cli", "profile.json", "--workers", str(workers), "--schedule", "async",
+             "--microbatches", str(m), "--straight", "-o", "async.json"], tmp)
+        plans.append("async.json")
     readings: dict[str, list[float]] = {}
     for k in range(runs):
-        for plan in ("straight.json", "replicas.json"):
+        for plan in plans:
             (tmp / f"trace-{plan}").unlink(missing_ok=True)  # a resumed trace appends: each run its own
             train(model, args, workers, b, m, steps, plan, tmp, "--trace", f"trace-{plan}")
-        out = run([py, "-m", "partitioner.calibrate", "profile.json", "straight.json", "trace-straight.json",
-                   "--also", "profile.json", "replicas.json", "trace-replicas.json", "-o", "calibrated.json"], tmp)
+        also = [x for plan in plans[1:] for x in ("--also", "profile.json", plan, f"trace-{plan}")]
+        out = run([py, "-m", "partitioner.calibrate", "profile.json", "straight.json", "trace-straight.json", *also,
+                   "-o", "calibrated.json"], tmp)
         print(f"# calibration {k + 1} ({model} {json.dumps(args)}, {schedule}, straight and data-parallel, traced): "
               f"{out.strip()}", flush=True)
         got = json.loads((tmp / "calibrated.json").read_text())
-        for key in ("action_ms", "layer_ms", "message_ms", "latency_ms", "step_gap_ms", "link_bandwidth"):
+        for key in ("action_ms", "layer_ms", "message_ms", "latency_ms", "step_gap_ms", "update_ms",
+                    "link_bandwidth"):
             if key in got or key == "layer_ms":  # no layer_ms read: none
                 readings.setdefault(key, []).append(got.get(key, 0.0))
     found = {key: statistics.median(values) for key, values in readings.items()}
@@ -198,12 +207,14 @@ def main() -> None:
                    help="instead of the cases: the gpt case at G samples per step, every microbatch size of "
                         "--sizes measured, and the one pipeflow-plan --global-batch picks")
     p.add_argument("--sizes", default="4,8,16,32", help="microbatch sizes for --global-batch (default 4,8,16,32)")
+    p.add_argument("--schedule", default=None, help="every case under this schedule (async: the calibration also "
+                                                    "traces an async run, for the time per update)")
     a = p.parse_args()
     global CONCURRENT
     CONCURRENT = a.concurrent_profile
     print(f"# load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory() as d:
-        runtime = calibration(Path(d), a.runs)
+        runtime = calibration(Path(d), a.runs, updates=a.schedule == "async")
     if a.global_batch is not None:
         global_batch(runtime, a.global_batch, [int(x) for x in a.sizes.split(",")], a.runs)
         return
@@ -211,6 +222,7 @@ def main() -> None:
           "calibrated | measured ms | error, profile only | error, calibrated |")
     print("|---|---:|---|---|---|---:|---:|---:|---:|---:|")
     for model, args, workers, b, m, schedule, steps in CASES[:1] if a.quick else CASES:
+        schedule = a.schedule or schedule
         with tempfile.TemporaryDirectory() as d:
             tmp = Path(d)
             plain, calibrated = profile_and_plan(model, args, workers, b, m, schedule, tmp, runtime)
