@@ -331,8 +331,9 @@ class Bench:
         found, before = json.loads(out.read_text()), json.loads(prof.read_text())
         # what calibrate read from the trace: the output keeps the profile's own fields (a measured GPU-to-GPU
         # copy bandwidth is not an all-reduce's), so only what it added or changed
-        cal = {k: found[k] for k in ("action_ms", "message_ms", "latency_ms", "step_gap_ms", "compute_factor",
-                                     "link_bandwidth") if k in found and found[k] != before.get(k)}
+        keys = ("action_ms", "message_ms", "latency_ms", "step_gap_ms", "compute_factor", "layer_ms", "update_ms",
+                "link_bandwidth")
+        cal = {k: found[k] for k in keys if k in found and found[k] != before.get(k)}
         self.cal[kernels] = cal
         self.cal_runs.setdefault(kernels, []).append((prof, plan, trace))
         print(f"CALIBRATED {tag} {json.dumps(cal)}", flush=True)
