@@ -109,6 +109,7 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
     reduce: list[float] = []  # bytes/s of the replicas' all-reduce, per rank and step
     gaps: list[float] = []  # ms between a rank's steps, outside every span
     per_update: list[float] = []  # ms an update takes beyond the profiled optimizer step (async traces)
+    periods: list[tuple[Profile, Plan, float]] = []  # flush-schedule pipelines and their traced step time
     for prof, pl, tr in runs:
         if pl.virtual_stages > 1:
             raise ProfileError(f"calibrate needs a plan with one stage per rank, found {pl.virtual_stages} chunks "
@@ -116,6 +117,7 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
         lay = layer_costs(replace(prof, compute_factor=None), pl.schedule, optimizer)  # as profiled
         L = len(lay)
         by_rank = _spans(tr)
+        sent = len(sends)
         for rank, steps in by_rank.items():
             st = pl.stages[pl.stage_of_rank(rank)[0]]
             a, b = st.layers
@@ -152,6 +154,9 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
                         reduce.append(2 * (st.replicas - 1) / st.replicas * p / (ms / 1e3))
             if own_per_mb:
                 groups.append(((a, b), profiled, statistics.median(own_per_mb)))
+        period = _step_period_ms(by_rank, skip) if len(sends) > sent and schedule_kind(pl.schedule).flush else None
+        if period is not None:
+            periods.append((prof, pl, period))
     if not per_action:
         raise ProfileError(f"the trace holds no forward after step {skip}: run pipeflow-train --trace for more "
                            "steps on this plan")
@@ -164,15 +169,9 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
         out["message_ms"] = statistics.median(sends)
     if reduce:
         out["link_bandwidth"] = statistics.median(reduce)
-    latencies = []
-    for prof, pl, tr in runs:
-        by_rank = _spans(tr)
-        piped = any(kind in SENDS for steps in by_rank.values() for spans in steps.values() for kind, _, _ in spans)
-        period = _step_period_ms(by_rank, skip) if piped and schedule_kind(pl.schedule).flush else None
-        if period is not None:
-            latencies.append(_latency_ms(prof, pl, out, period, optimizer))
-    if latencies:
-        out["latency_ms"] = statistics.median(latencies)
+    if periods:  # with every other cost known: what the pipelines' step times leave, per message
+        out["latency_ms"] = statistics.median(_latency_ms(prof, pl, out, period, optimizer)
+                                              for prof, pl, period in periods)
     return out
 
 

@@ -39,6 +39,7 @@ LAYER_NUMBERS = ("forward_ms", "backward_ms", "output_bytes", "activation_bytes"
 OPTIONAL_LAYER_NUMBERS = ("backward_accumulate_ms", "backward_weight_ms")
 RUNTIME_NUMBERS = ("action_ms", "message_ms", "latency_ms", "step_gap_ms", "layer_ms", "update_ms")  # optional
 MAX_COMPUTE_FACTOR = 100.0
+CALIBRATED = (*RUNTIME_NUMBERS, "compute_factor", "link_bandwidth")  # what partitioner.calibrate may write
 TIMINGS = ("idle", "kernels")  # pipeflow-profile --timing on CUDA (partitioner.measure.Timer)
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 # Upper bounds of a plausible measurement: sums over layers and microbatches must stay finite in float64

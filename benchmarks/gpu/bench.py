@@ -47,6 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from partitioner.profile import CALIBRATED  # noqa: E402
 from pipeflow.mfu import PEAK_TFLOPS  # noqa: E402
 from pipeflow.planning import GPU_SHARE  # noqa: E402  (as planning on the spot: spot and plan rows alike)
 from pipeflow.spec import build_model  # noqa: E402
@@ -331,9 +332,7 @@ class Bench:
         found, before = json.loads(out.read_text()), json.loads(prof.read_text())
         # what calibrate read from the trace: the output keeps the profile's own fields (a measured GPU-to-GPU
         # copy bandwidth is not an all-reduce's), so only what it added or changed
-        keys = ("action_ms", "message_ms", "latency_ms", "step_gap_ms", "compute_factor", "layer_ms", "update_ms",
-                "link_bandwidth")
-        cal = {k: found[k] for k in keys if k in found and found[k] != before.get(k)}
+        cal = {k: found[k] for k in CALIBRATED if k in found and found[k] != before.get(k)}
         self.cal[kernels] = cal
         self.cal_runs.setdefault(kernels, []).append((prof, plan, trace))
         print(f"CALIBRATED {tag} {json.dumps(cal)}", flush=True)

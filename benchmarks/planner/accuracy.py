@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from partitioner.plan import Plan, StagePlan
+from partitioner.profile import CALIBRATED
 
 # (model, model args, workers, microbatch size, microbatches, schedule, steps)
 CASES = [
@@ -148,8 +149,7 @@ def calibration(tmp: Path, runs: int, updates: bool = False) -> dict[str, float]
         print(f"# calibration {k + 1} ({model} {json.dumps(args)}, {schedule}, straight and data-parallel, traced): "
               f"{out.strip()}", flush=True)
         got = json.loads((tmp / "calibrated.json").read_text())
-        for key in ("action_ms", "layer_ms", "message_ms", "latency_ms", "step_gap_ms", "update_ms",
-                    "link_bandwidth"):
+        for key in CALIBRATED:
             if key in got or key == "layer_ms":  # no layer_ms read: none
                 readings.setdefault(key, []).append(got.get(key, 0.0))
     found = {key: statistics.median(values) for key, values in readings.items()}
