@@ -40,7 +40,7 @@ OPTIONAL_LAYER_NUMBERS = ("backward_accumulate_ms", "backward_weight_ms")
 RUNTIME_NUMBERS = ("action_ms", "message_ms", "latency_ms", "step_gap_ms", "layer_ms", "update_ms")  # optional
 MAX_COMPUTE_FACTOR = 100.0
 CALIBRATED = (*RUNTIME_NUMBERS, "compute_factor", "link_bandwidth")  # what partitioner.calibrate may write
-TIMINGS = ("idle", "kernels")  # pipeflow-profile --timing on CUDA (partitioner.measure.Timer)
+TIMINGS = ("idle", "kernels", "stage")  # pipeflow-profile --timing (partitioner.measure: Timer, time_chain)
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 # Upper bounds of a plausible measurement: sums over layers and microbatches must stay finite in float64
 # (a time of 1e308 ms overflows to inf once multiplied by m and used to look like "no plan").
@@ -105,7 +105,7 @@ class Profile:
     layer_ms: float | None = None  # the runtime's own time per layer of a stage, per forward or backward (calibrated)
     update_ms: float | None = None  # the runtime's own time per optimizer update beyond its profile (calibrated)
     compute_factor: float | None = None  # the layers' time in a running stage / as profiled (calibrated)
-    timing: str | None = None  # CUDA: how the layers were timed, "idle" or "kernels" (pipeflow-profile --timing)
+    timing: str | None = None  # how the layers were timed (pipeflow-profile --timing; CPU: only "stage" is written)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from partitioner.chain import time_as_a_stage
 from partitioner.layermem import check_microbatch_fits, sandbox_copy, saved_bytes
 from partitioner.measure import (
     RANK_THREADS,
@@ -32,6 +33,10 @@ from pipeflow.spec import ModelError, ModelSpec, build_model, model_dtype, parse
 from pipeflow.split import time_split_backward
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+# --timing when not given, by device (False: CPU, True: CUDA). On 2 x H200 (benchmarks/gpu/README.md) the stage
+# timing priced every row at microbatch 4 and 8 within 6% with no calibration, where the kernels back to back were
+# 11-15% fast and each call from an idle device over-priced microbatch 2 by 13-16%.
+DEFAULT_TIMING = {False: "idle", True: "stage"}
 
 
 def _time_forward_backward(layer: nn.Module, x: Any, timer: Timer, *, accumulate: bool) -> tuple[float, float]:
@@ -96,7 +101,7 @@ def profile_layer(layer: nn.Module, x: Any, *, device: torch.device, dtype: torc
 def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.device = "cpu", *,
                   dtype: str | None = None, warmup: int = 2, repeats: int = 5, seed: int = 0,
                   optimizer: str | None = "adam", threads: int | None = None,
-                  warnings: list[str] | None = None, timing: str = "idle") -> Profile:
+                  warnings: list[str] | None = None, timing: str | None = None) -> Profile:
     """Profile every layer of `spec` on one real microbatch of its dataset, in order (in-process API); then
     the loss on the last layer's output and a step of `optimizer` per parameter byte (None: not timed).
 
@@ -111,18 +116,21 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     restored: the user's layers and RNG are left exactly as they were. On CPU freed memory is kept from then on,
     as in a rank (measure.as_a_rank).
 
-    `timing` (CUDA): "idle" times each call from an idle device, "kernels" its kernels back to back with the
-    launches hidden (measure.Timer says what each misses); recorded in the profile."""
+    `timing`: on CUDA "idle" times each call from an idle device, "kernels" its kernels back to back with the
+    launches hidden (measure.Timer says what each misses); "stage" (CUDA or CPU) times the layers as a stage
+    runs them, the whole chain's forward then its backward with no wait between layers (measure.time_chain).
+    None: DEFAULT_TIMING of the device. Recorded in the profile."""
     if dtype is not None and dtype not in DTYPES:
         raise ProfileError(f"--dtype must be one of {', '.join(DTYPES)}, found {dtype!r}")
+    dev = torch.device(device)
+    timing = timing or DEFAULT_TIMING[dev.type == "cuda"]
     if timing not in TIMINGS:
         raise ProfileError(f"--timing must be one of {', '.join(TIMINGS)}, found {timing!r}")
     if warmup < 0 or repeats < 1:
         raise ProfileError(f"need --warmup >= 0 and --repeats >= 1, found {warmup} and {repeats}")
-    dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ProfileError("--device cuda, but torch sees no CUDA device; use --device cpu")
-    if timing != "idle" and dev.type != "cuda":
+    if timing == "kernels" and dev.type != "cuda":
         raise ProfileError(f"--timing {timing} times CUDA kernels: it needs --device cuda, found {dev.type}")
     held = timing == "kernels"
     torch_dtype = DTYPES[dtype] if dtype is not None else None
@@ -131,12 +139,13 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     name = dtype or str(in_dtype or torch.float32).removeprefix("torch.")
     cuda_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
     layers = []
-    timer = Timer(dev, held=held)
+    timer = Timer(dev, held=timing != "idle")  # the loss and the optimizer step: after other work in a stage
     # fork_rng restores the CPU and this GPU's generators
     with torch.random.fork_rng(devices=cuda_devices), as_a_rank(dev, threads):
         check_microbatch_fits(spec, microbatch_size, dev, in_dtype, seed)
         x, y = MicrobatchLoader(spec.dataset, microbatch_size, seed=seed).microbatch(0)
         x = cast_floats_to(x, in_dtype)
+        first = x
         for i, layer in enumerate(spec.layers):
             work = sandbox_copy(layer, dev, torch_dtype)
             stats, x = profile_layer(work, x, device=dev, dtype=None, warmup=warmup, repeats=repeats, held=held)
@@ -144,6 +153,8 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
             free_cached(dev)
             stats["name"] = f"{i}:{stats['name']}"
             layers.append(stats)
+        chain = time_as_a_stage(spec, layers, first, dev, torch_dtype, warmup=warmup,
+                                 repeats=repeats) if timing == "stage" else None
         try:
             loss_ms = time_loss(spec.loss_fn, prepare_input(x, dev, None), map_tensors(y, lambda t: t.to(dev)), timer,
                                 warmup=warmup, repeats=repeats)
@@ -153,12 +164,13 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
             optimizer, (cast_floats_to(p.detach().to(dev), torch_dtype) for layer in spec.layers
                         for p in layer.parameters()), timer, warmup=warmup, repeats=repeats)
     passes = [sum(per_repeat) for per_repeat in zip(*(s.pop("_passes") for s in layers))]
-    note = noise_warning(spread(passes), repeats)
+    note = noise_warning(spread(chain or passes), repeats)
     if note and warnings is not None:
         warnings.append(note)
     return Profile(spec.name or "model", dict(spec.args), dev.type, name, microbatch_size,
                    [LayerProfile(**s) for s in layers], loss_ms, {optimizer: opt} if optimizer and opt else {},
-                   link_bandwidth=gpu_link_bandwidth(dev), timing=timing if dev.type == "cuda" else None)
+                   link_bandwidth=gpu_link_bandwidth(dev),
+                   timing=timing if dev.type == "cuda" or timing == "stage" else None)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -177,10 +189,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="adam",
                    help="the optimizer whose step is timed (optimizer_ms_per_byte)")
-    p.add_argument("--timing", choices=TIMINGS, default="idle",
-                   help="cuda: 'idle' times each layer's call from an idle device; 'kernels' its kernels back to "
-                        "back, the launches hidden (nearer a running stage where the device is the bottleneck, "
-                        "under it where the host is); see docs/formats.md")
+    p.add_argument("--timing", choices=TIMINGS, default=None,
+                   help="how layers are timed (default: stage on cuda, idle on cpu). 'stage' (cuda or cpu): as a "
+                        "stage runs them, the chain's forward then its backward, nothing waiting between layers; "
+                        "'idle': each layer's call alone (on cuda from an idle device); 'kernels' (cuda): each "
+                        "layer's kernels back to back, the launches hidden; see docs/formats.md")
     p.add_argument("--threads", type=int, default=None,
                    help=f"torch threads (default on cpu: {RANK_THREADS}, as each rank under mpirun)")
     p.add_argument("-o", "--output", required=True, help="profile.json to write")
@@ -207,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         sizes = _sizes(args.microbatch_size, args.microbatch_sizes)
-        if args.timing != "idle" and args.device != "cuda":
+        if args.timing == "kernels" and args.device != "cuda":
             raise ProfileError(f"--timing {args.timing} times CUDA kernels: it needs --device cuda, found "
                                f"{args.device}")
         model_args = parse_model_args(args.model_args)

@@ -18,14 +18,16 @@ Rows (';'-separated), every one at --sequences per optimizer step (default 64):
                                     peak, for "as fast at no more memory") instead of 90% of the card's memory
     ... trace                       pf/big rows: pipeflow-train --trace, then per rank the ms per step in each
                                     kind of span (F, B, W, STEP, SEND, WAIT) and idle, from the trace
-    ... kernels                     pf/big/gb rows: profiled with pipeflow-profile --timing kernels (the kernels
-                                    back to back) instead of each call from an idle device
+    ... idle|kernels|stage          pf/big/gb rows: profiled with pipeflow-profile --timing idle (each call from
+                                    an idle device), kernels (the kernels back to back) or stage (each layer
+                                    inside the chain's forward and backward, as a stage runs them) instead of
+                                    the profiler's default for the device (stage on CUDA, idle on CPU)
     ... cal                         pf/big rows on a profiled split: traced as above, then the runtime's costs
                                     read from the trace (python -m partitioner.calibrate); every later row's plan
                                     is priced again with them ("calibrated ms"; this row's own is circular);
                                     a second cal row is read with the first (e.g. at another microbatch size:
                                     then a compute factor is told from the cost per action)
-    gb SCHEDULE SIZES [sub] [kernels] [mem=GIB]
+    gb SCHEDULE SIZES [sub] [idle|kernels|stage] [mem=GIB]
                                     pipeflow-plan --global-batch (the sequences): profiled at microbatch sizes
                                     SIZES (2,4,8), the planner picks b, m and the split; pipeflow-train runs it
 Each row prints `RESULT ...` with tokens/s, peak GiB per rank, MFU per GPU and, where a plan gives it, the
@@ -57,6 +59,13 @@ GPT = {"layers": 24, "d_model": 2048, "heads": 16, "seq_len": 1024, "vocab": 320
 # (benchmarks/gpu/README.md, "The large model", for the memory arithmetic).
 BIG = {"layers": 50, "d_model": 4096, "heads": 32, "seq_len": 1024, "vocab": 32000, "dataset": "synthetic"}
 TINY = {"layers": 4, "d_model": 32, "heads": 2, "seq_len": 16, "vocab": 256, "dataset": "synthetic"}
+TIMED = ("idle", "kernels", "stage")  # a pf/big/gb row's word for pipeflow-profile --timing (else its default)
+
+
+def _timing(words: list[str]) -> str:
+    return next((w for w in words if w in TIMED), "default")
+
+
 DEFAULT_ROWS = ("single 8; ddp 8; torch 1F1B 8; torch 1F1B 4; torch 1F1B 2; torch Interleaved1F1B 2; "
                 "torch InterleavedZeroBubble 2; pf 1f1b 8 8 plan; pf 1f1b 4 16 plan; pf 1f1b 2 32 plan; "
                 "pf 1f1b 8 8 plan sub; pf 1f1b 4 16 plan sub; pf 1f1b 2 32 spot; pf 2bw 8 8 plan; "
@@ -95,9 +104,9 @@ class Bench:
         self.work.mkdir(parents=True, exist_ok=True)
         self.peak, self.card = self._peak()
         self.rows: list[dict[str, str]] = []
-        # the runtime's costs read from a traced row ('cal'), for later rows profiled the same way (by 'kernels')
-        self.cal: dict[bool, dict[str, float]] = {}
-        self.cal_runs: dict[bool, list[tuple[Path, Path, Path]]] = {}  # the traced runs behind it, read together
+        # the runtime's costs read from a traced row ('cal'), for later rows profiled the same way (by --timing)
+        self.cal: dict[str, dict[str, float]] = {}
+        self.cal_runs: dict[str, list[tuple[Path, Path, Path]]] = {}  # the traced runs behind it, read together
         self._flops: dict[str, float] = {}
         self.env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "PIPEFLOW_LOG": "INFO",
                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if args.cpu else "8")}
@@ -194,13 +203,13 @@ class Bench:
         self.add(f"torch {schedule}", f"{mb} x {m}, layers {split}", self.n, rc, out, self.gpt)
 
     def profile(self, cfg: dict[str, object], mb: int, tag: str, sizes: str | None = None,
-                kernels: bool = False) -> Path | None:
-        """profile.json at microbatch mb, or at every size of `sizes` (one file, for --global-batch); `kernels`:
-        --timing kernels."""
+                timing: str = "default") -> Path | None:
+        """profile.json at microbatch mb, or at every size of `sizes` (one file, for --global-batch), timed by
+        pipeflow-profile --timing `timing` ("default": the profiler's own choice for the device)."""
         at = ["--microbatch-sizes", sizes] if sizes else ["--microbatch-size", str(mb)]
-        if kernels:
-            at += ["--timing", "kernels"]
-            tag += "-kernels"
+        if timing != "default":
+            at += ["--timing", timing]
+            tag += f"-{timing}"
         # the model's config in the name: a --work folder shared between calls must not serve another model
         digest = hashlib.sha1(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:8]
         name = f"{tag}-{sizes.replace(',', '_') if sizes else mb}-{digest}"
@@ -252,7 +261,7 @@ class Bench:
 
     def pf(self, schedule: str, mb: int, m: int, split: str, big: bool = False, sub: bool = False,
            mem_gib: float | None = None, sizes: str | None = None, trace: bool = False, cal: bool = False,
-           kernels: bool = False) -> None:
+           timing: str = "default") -> None:
         """A pipeflow-train row. With `sizes` (a gb row) the profile holds those microbatch sizes and
         pipeflow-plan --global-batch picks b, m and the split; mb and m are then what it picked."""
         cfg = self.big if big else self.gpt
@@ -261,14 +270,14 @@ class Bench:
             cfg = {**cfg, "granularity": "sublayer"}
         shape = f"gb{sizes.replace(',', '_')}" if sizes else f"{mb}x{m}"
         tag = (f"{'big-' if big else ''}{'sub-' if sub else ''}{schedule}-{shape}-{split.replace(',', '_')}"
-               + (f"-mem{mem_gib:g}" if mem_gib is not None else "") + ("-kernels" if kernels else "")
+               + (f"-mem{mem_gib:g}" if mem_gib is not None else "") + (f"-{timing}" if timing != "default" else "")
                + ("-trace" if trace else ""))
         name = f"pipeflow {schedule}" + (" (large model)" if big else "") + (", sublayers" if sub else "")
         flags = ["--schedule", schedule]
         predicted, calibrated, shown, path, prof = None, None, split, None, None
         if split != "spot":
             kind = ("big" if big else "gpt") + ("-sub" if sub else "")
-            prof = self.profile(cfg, mb, kind, sizes=sizes, kernels=kernels)
+            prof = self.profile(cfg, mb, kind, sizes=sizes, timing=timing)
             path, shown = (self.plan(prof, schedule, m, split, tag, mem_gib=mem_gib, global_batch=sizes is not None)
                            if prof else (None, "no profile"))
             if path is None:
@@ -284,7 +293,7 @@ class Bench:
                 if sizes:  # the planner's pick
                     mb, m = int(plan["planner"]["microbatch_size"]), int(plan["microbatches"])
                 if prof is not None and not cal:
-                    calibrated = self.calibrated_ms(prof, path, tag, kernels)
+                    calibrated = self.calibrated_ms(prof, path, tag, timing)
         cmd = ["mpirun", "-np", str(self.n), sys.executable, "-m", "pipeflow.train", "--model", "gpt", "--model-args",
                json.dumps(cfg), "--device", self.device, "--dtype", self.dtype, "--optimizer", "adam", "--lr", "1e-4",
                "--steps", str(self.a.steps), "--log-every", str(max(1, self.a.steps // 3)),
@@ -300,7 +309,7 @@ class Bench:
             for line in breakdown(json.loads(trace_path.read_text()), skip=max(1, self.a.steps // 3)):
                 print(f"BREAKDOWN {tag} {line}", flush=True)
             if cal and prof is not None and path is not None:
-                self.calibrate(prof, path, trace_path, tag, kernels)
+                self.calibrate(prof, path, trace_path, tag, timing)
         if split == "spot":
             got = re.search(r"'step_ms': ([0-9.e+-]+)", out)
             predicted = float(got.group(1)) if got else None
@@ -310,20 +319,20 @@ class Bench:
         how = (f"{mb} x {m} (planner's pick of {sizes})" if sizes else f"{mb} x {m}") + f", {split}"
         if mem_gib is not None:
             how += f" under {mem_gib:g} GiB"
-        if kernels:
-            how += ", profiled --timing kernels"
+        if timing != "default":
+            how += f", profiled --timing {timing}"
         if trace:
             how += ", --trace" + (" (calibrates the later rows)" if cal else "")
         self.add(name, how + (f" {shown}" if shown != split else "") + note, self.n, rc, out, cfg,
                  predicted=predicted, peak=peak, sequences=mb * m, calibrated=calibrated)
 
-    def calibrate(self, prof: Path, plan: Path, trace: Path, tag: str, kernels: bool) -> None:
+    def calibrate(self, prof: Path, plan: Path, trace: Path, tag: str, timing: str) -> None:
         """The runtime's costs from a traced row (partitioner.calibrate), kept for the rows after it whose profile
         was timed the same way."""
         out = self.work / f"cal-{tag}.json"
         # every earlier 'cal' row of this timing too: two microbatch sizes tell a compute factor from a cost
         # per action (partitioner.calibrate --also)
-        also = [x for run in self.cal_runs.get(kernels, []) for x in ("--also", *map(str, run))]
+        also = [x for run in self.cal_runs.get(timing, []) for x in ("--also", *map(str, run))]
         rc, text = self.sh([sys.executable, "-m", "partitioner.calibrate", str(prof), str(plan), str(trace), *also,
                             "--skip", str(max(1, self.a.steps // 3)), "-o", str(out)], self.work / f"cal-{tag}.log")
         if rc != 0:
@@ -333,15 +342,15 @@ class Bench:
         # what calibrate read from the trace: the output keeps the profile's own fields (a measured GPU-to-GPU
         # copy bandwidth is not an all-reduce's), so only what it added or changed
         cal = {k: found[k] for k in CALIBRATED if k in found and found[k] != before.get(k)}
-        self.cal[kernels] = cal
-        self.cal_runs.setdefault(kernels, []).append((prof, plan, trace))
+        self.cal[timing] = cal
+        self.cal_runs.setdefault(timing, []).append((prof, plan, trace))
         print(f"CALIBRATED {tag} {json.dumps(cal)}", flush=True)
 
-    def calibrated_ms(self, prof: Path, plan: Path, tag: str, kernels: bool) -> float | None:
+    def calibrated_ms(self, prof: Path, plan: Path, tag: str, timing: str) -> float | None:
         """`plan` priced on `prof` with the calibrated costs (at every microbatch size of the file; the plan's
         microbatch size at the top, where --evaluate reads), None before any 'cal' row profiled the same way.
         An all-reduce bandwidth calibrated from a traced plan with replicas replaces --topology's."""
-        cal = self.cal.get(kernels)
+        cal = self.cal.get(timing)
         if not cal:
             return None
         d = json.loads(prof.read_text())
@@ -376,21 +385,24 @@ class Bench:
                 elif w[0] in ("pf", "big"):
                     extra = w[5:]
                     mem = [float(x[4:]) for x in extra if x.startswith("mem=")]
-                    bad = [x for x in extra if x not in ("sub", "trace", "cal", "kernels") and not x.startswith("mem=")]
-                    if bad or (mem and w[4] != "plan") or (w[4] == "spot" and {"cal", "kernels"} & set(extra)):
-                        raise ValueError(f"after the split a {w[0]} row takes 'sub', 'trace', 'cal' and 'kernels' "
-                                         f"(not with 'spot') and, with 'plan', 'mem=GIB'; found {' '.join(extra)!r}")
+                    bad = [x for x in extra if x not in ("sub", "trace", "cal", *TIMED) and not x.startswith("mem=")]
+                    if (bad or (mem and w[4] != "plan") or (w[4] == "spot" and {"cal", *TIMED} & set(extra))
+                            or len(set(TIMED) & set(extra)) > 1):
+                        raise ValueError(f"after the split a {w[0]} row takes 'sub', 'trace', 'cal' and one of "
+                                         f"{', '.join(TIMED)} (not with 'spot') and, with 'plan', 'mem=GIB'; found "
+                                         f"{' '.join(extra)!r}")
                     self.pf(w[1], int(w[2]), int(w[3]), w[4], big=w[0] == "big", sub="sub" in extra,
                             mem_gib=mem[0] if mem else None, trace="trace" in extra, cal="cal" in extra,
-                            kernels="kernels" in extra)
+                            timing=_timing(extra))
                 elif w[0] == "gb":
                     extra = w[3:]
                     mem = [float(x[4:]) for x in extra if x.startswith("mem=")]
-                    if len(w) < 3 or [x for x in extra if x not in ("sub", "kernels") and not x.startswith("mem=")]:
-                        raise ValueError("a gb row is 'gb SCHEDULE SIZES [sub] [kernels] [mem=GIB]', e.g. "
+                    if (len(w) < 3 or [x for x in extra if x not in ("sub", *TIMED) and not x.startswith("mem=")]
+                            or len(set(TIMED) & set(extra)) > 1):
+                        raise ValueError("a gb row is 'gb SCHEDULE SIZES [sub] [idle|kernels|stage] [mem=GIB]', e.g. "
                                          "'gb 1f1b 2,4,8'")
                     self.pf(w[1], 0, 0, "plan", sub="sub" in extra, sizes=w[2], mem_gib=mem[0] if mem else None,
-                            kernels="kernels" in extra)
+                            timing=_timing(extra))
                 else:
                     raise ValueError(f"unknown row kind {w[0]!r}")
             except (IndexError, ValueError) as e:

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                   for f, pl, t in runs]
         found[name] = calibrate(*loaded[0], skip=int(meta.get("skip", 2)), also=loaded[1:])
         print(f"- calibration from the {name}: " + ", ".join(f"{k} {v:.4g}" for k, v in found[name].items()))
-    print("\n| row | measured ms | profile alone | " + " | ".join(f"+ calibration ({n})" for n in found) + " |")
+    print("\n| row | measured ms | profile alone |" + "".join(f" + calibration ({n}) |" for n in found))
     print("|---|---:|---:|" + "---:|" * len(found))
     for row in meta["rows"]:
         plan, prof = Plan.load(str(a.folder / row["plan"])), Profile.load(str(a.folder / row["profile"]))

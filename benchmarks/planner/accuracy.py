@@ -45,6 +45,7 @@ CASES = [
     ("mlp", {"layers": 4, "hidden": 1024}, 2, 16, 4, "gpipe", 20),
 ]
 CONCURRENT = False  # --concurrent-profile
+TIMING = "idle"  # --timing
 STEADY = re.compile(r"steady state \(steps \d+-\d+\): ([\d.]+) samples/s")
 
 
@@ -77,7 +78,8 @@ def profile(model: str, args: dict[str, object], b: int, copies: int, tmp: Path)
     on two cores share the L3 and the memory bandwidth (README, "What remains")."""
     wait_idle()
     cmd = [sys.executable, "-m", "partitioner.profiler", "--model", model, "--model-args", json.dumps(args),
-           "--microbatch-size", str(b), "--device", "cpu", "--threads", "1", "--repeats", "10", "-o"]
+           "--microbatch-size", str(b), "--device", "cpu", "--threads", "1", "--repeats", "10", "--timing", TIMING,
+           "-o"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([*cmd, "profile.json" if k == 0 else f"profile-copy{k}.json"], cwd=tmp, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for k in range(copies)]
@@ -168,7 +170,7 @@ def global_batch(runtime: dict[str, float], g: int, sizes: list[int], runs: int)
         wait_idle()
         run([py, "-m", "partitioner.profiler", "--model", model, "--model-args", json.dumps(args),
              "--microbatch-sizes", ",".join(map(str, sizes)), "--device", "cpu", "--threads", "1", "--repeats",
-             "10", "-o", "profile.json"], tmp)
+             "10", "--timing", TIMING, "-o", "profile.json"], tmp)
         whole = {**json.loads((tmp / "profile.json").read_text()), **runtime}
         (tmp / "all.json").write_text(json.dumps(whole))
         run([py, "-m", "partitioner.cli", "all.json", "--workers", str(workers), "--schedule", schedule,
@@ -207,11 +209,13 @@ def main() -> None:
                    help="instead of the cases: the gpt case at G samples per step, every microbatch size of "
                         "--sizes measured, and the one pipeflow-plan --global-batch picks")
     p.add_argument("--sizes", default="4,8,16,32", help="microbatch sizes for --global-batch (default 4,8,16,32)")
+    p.add_argument("--timing", choices=("idle", "stage"), default="idle",
+                   help="pipeflow-profile --timing for every profile (stage: each layer inside the chain)")
     p.add_argument("--schedule", default=None, help="every case under this schedule (async: the calibration also "
                                                     "traces an async run, for the time per update)")
     a = p.parse_args()
-    global CONCURRENT
-    CONCURRENT = a.concurrent_profile
+    global CONCURRENT, TIMING
+    CONCURRENT, TIMING = a.concurrent_profile, a.timing
     print(f"# load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory() as d:
         runtime = calibration(Path(d), a.runs, updates=a.schedule == "async")

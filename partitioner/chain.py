@@ -1,0 +1,145 @@
+"""pipeflow-profile --timing stage: each layer timed inside the chain a stage runs (issue 13: a layer timed alone,
+again and again, is not what it costs between other layers in a busy stage)."""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from partitioner.layermem import sandbox_copy
+from partitioner.measure import free_cached, machine_bytes, map_tensors, prepare_input, tensors
+from pipeflow.spec import ModelSpec
+
+
+class Marks:
+    """Points in a sequence of work, read after it: CUDA events recorded on the current stream (one sync when
+    first read) or perf_counter on CPU. Nothing waits between marks, so each interval is what the work took in
+    the sequence: its kernels where the device is the slower one, its launches where the host is."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.synced = False
+
+    def stamp(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def ms(self, a: Any, b: Any) -> float:
+        if not self.cuda:
+            return (b - a) * 1e3
+        if not self.synced:
+            torch.cuda.synchronize()
+            self.synced = True
+        return float(a.elapsed_time(b))
+
+
+def time_chain(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: int, repeats: int
+               ) -> tuple[list[list[float]], list[list[float]], list[list[float]], list[float], Any]:
+    """Each layer's ms timed as a stage runs its layers (pipeflow-profile --timing stage): the forward of
+    the whole chain, then one backward through it, pass after pass, nothing waiting between layers or passes
+    (Marks, read once at the end; in the backward, a hook on each layer's outputs marks when their gradient
+    is complete, which is when the layer's own backward starts). Where the device is the slower one it always
+    has kernels queued, as in a running stage, whose host launches a forward while the previous backward still
+    runs; where the host is, the marks show its pace. Each layer's weights come cold out of the cache, as in
+    training. Timing one layer again and again from an idle device sees none of this; timing each layer's
+    backward by its own call (a host round trip per layer) made the backward host-bound at small microbatches.
+
+    Passes alternate between a backward into no gradients and one accumulating into them (every microbatch
+    of a flushed step but the first); `warmup` passes first are not kept. Returns, per layer, the forward,
+    backward and accumulating backward times of the kept passes, each kept pass's total, and the chain's
+    (detached) output. A layer whose outputs get no gradient (the chain cut before it) has no backward: 0."""
+    n = len(layers)
+    clock = Marks(device)
+    x = map_tensors(x, lambda t: t.to(device))  # once: a copy from the host inside a pass would wait for it
+    recorded: list[tuple[bool, list[Any], list[Any], dict[int, Any]]] = []
+    gs: list[torch.Tensor] | None = None
+    h: Any = None
+    for it in range(warmup + 2 * repeats):
+        accumulate = it % 2 == 1
+        if not accumulate:
+            for layer in layers:
+                layer.zero_grad(set_to_none=True)
+        h = prepare_input(x, device, None)  # floating inputs require grad, as a received activation does
+        fwd_marks = [clock.stamp()]
+        outs: list[Any] = []
+        for layer in layers:
+            h = layer(h)
+            outs.append(h)
+            fwd_marks.append(clock.stamp())
+        at: dict[int, Any] = {}  # layer -> when its outputs' gradient was complete (the last hook to fire)
+        for k in range(n - 1):
+            for t in tensors(outs[k]):
+                if t.requires_grad:
+                    t.register_hook(lambda _g, k=k, at=at: at.__setitem__(k, clock.stamp()))
+        ys = [t for t in tensors(h) if t.requires_grad]
+        if gs is None:
+            gs = [torch.randn_like(t) for t in ys]  # what the next stage would send
+        ends = [clock.stamp()]
+        if ys:
+            torch.autograd.backward(ys, gs)
+        ends.append(clock.stamp())
+        del outs
+        if it >= warmup:
+            recorded.append((accumulate, fwd_marks, ends, at))
+    fwd: list[list[float]] = [[] for _ in range(n)]
+    bwd: list[list[float]] = [[] for _ in range(n)]
+    acc: list[list[float]] = [[] for _ in range(n)]
+    passes: list[float] = []
+    for accumulate, fwd_marks, (start, end), at in recorded:
+        total = 0.0
+        for k in range(n):
+            f = clock.ms(fwd_marks[k], fwd_marks[k + 1])
+            begin = start if k == n - 1 else at.get(k)
+            finish = at.get(k - 1, end) if k > 0 else end
+            b = clock.ms(begin, finish) if begin is not None else 0.0
+            fwd[k].append(f)
+            (acc if accumulate else bwd)[k].append(b)
+            total += f + b
+        passes.append(total)
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    return fwd, bwd, acc, passes, map_tensors(h, lambda t: t.detach())
+
+
+def _layer_bytes(stats: dict[str, Any]) -> int:
+    """What a layer holds while a chain runs through it: parameters and their gradients, saved activations,
+    its output and that output's gradient."""
+    return 2 * stats["parameter_bytes"] + stats["activation_bytes"] + 2 * stats["output_bytes"]
+
+
+def time_as_a_stage(spec: ModelSpec, layers: list[dict[str, Any]], x: Any, dev: torch.device,
+                     dtype: torch.dtype | None, *, warmup: int, repeats: int) -> list[float]:
+    """--timing stage: replace each layer's forward and backward times in `layers` (profile_layer's numbers)
+    with measure.time_chain's, run over windows of consecutive layers whose bytes fit in half the free memory
+    (a model too large for the device is timed a window at a time; the first layer of a window starts
+    from a drained chain). A layer's share of its backward's weight gradients (backward_weight_ms) is kept.
+    Returns the passes' totals, for the repeat spread."""
+    free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else machine_bytes(dev)[0] // 2
+    budget = free // 2
+    passes: list[float] = []
+    start = 0
+    while start < len(layers):
+        end, need = start + 1, _layer_bytes(layers[start])
+        while end < len(layers) and need + _layer_bytes(layers[end]) <= budget:
+            need += _layer_bytes(layers[end])
+            end += 1
+        works = [sandbox_copy(layer, dev, dtype) for layer in spec.layers[start:end]]
+        fwd, bwd, acc, totals, x = time_chain(works, x, dev, warmup=warmup, repeats=repeats)
+        del works
+        free_cached(dev)
+        passes = [a + b for a, b in zip(passes, totals)] if passes else totals
+        for stats, f, b, a in zip(layers[start:end], fwd, bwd, acc):
+            share = stats["backward_weight_ms"] / stats["backward_ms"] if stats.get("backward_weight_ms") else None
+            stats["forward_ms"] = statistics.median(f)
+            stats["backward_ms"] = statistics.median(b)
+            stats["backward_accumulate_ms"] = statistics.median(a)
+            if share is not None:
+                stats["backward_weight_ms"] = share * stats["backward_ms"]
+        start = end
+    return passes

@@ -1,0 +1,152 @@
+"""pipeflow-profile --timing stage: each layer timed inside the chain a stage runs (partitioner.measure.time_chain)."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from partitioner import chain, profiler
+from partitioner.chain import time_chain
+from partitioner.profile import Profile, ProfileError
+from pipeflow.spec import ModelSpec
+
+SLACK_MS = 15.0  # what a sleep may overshoot on a loaded 2-core machine (a swapped layer fails the lower bound)
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, backward_ms: float) -> torch.Tensor:
+        ctx.backward_ms = backward_ms
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.backward_ms / 1e3)
+        return g, None
+
+
+LAST = {"layer": None}
+
+
+class SleepLayer(nn.Module):
+    """Sleeps forward_ms in its forward and backward_ms in its backward; with `cold_ms`, a forward that follows
+    another layer's call sleeps that much more (what a cache that held another layer's weights costs)."""
+
+    def __init__(self, forward_ms: float, backward_ms: float, cold_ms: float = 0.0) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.forward_ms, self.backward_ms, self.cold_ms = forward_ms, backward_ms, cold_ms
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cold = LAST["layer"] is not None and LAST["layer"] != id(self)
+        LAST["layer"] = id(self)
+        time.sleep((self.forward_ms + (self.cold_ms if cold else 0.0)) / 1e3)
+        return _Sleep.apply(self.fc(x), self.backward_ms)
+
+
+def _spec(layers: list[nn.Module]) -> ModelSpec:
+    data = TensorDataset(torch.randn(16, 4), torch.randint(0, 4, (16,)))
+    return ModelSpec(layers, nn.functional.cross_entropy, data, name="sleepy")
+
+
+def _times(prof: Profile) -> list[tuple[float, float, float]]:
+    return [(lay.forward_ms, lay.backward_ms, lay.backward_accumulate_ms or 0.0) for lay in prof.layers]
+
+
+def test_each_layer_gets_its_own_forward_and_backward_in_the_chain() -> None:
+    sleeps = [(2.0, 8.0), (4.0, 10.0), (6.0, 12.0)]
+    spec = _spec([SleepLayer(f, b) for f, b in sleeps])
+    prof = profiler.profile_model(spec, 2, warmup=1, repeats=2, optimizer=None, timing="stage")
+    assert prof.timing == "stage"
+    for (f, b), (tf, tb, ta) in zip(sleeps, _times(prof)):
+        assert f <= tf < f + SLACK_MS
+        assert b <= tb < b + SLACK_MS
+        assert b <= ta < b + SLACK_MS
+
+
+def test_a_layer_that_follows_other_layers_is_timed_as_it_runs_in_a_stage() -> None:
+    # Timed alone, again and again, a layer never pays for following another; in a stage it always does.
+    spec = _spec([SleepLayer(5.0, 1.0, cold_ms=20.0) for _ in range(3)])
+    alone = profiler.profile_model(spec, 2, warmup=1, repeats=2, optimizer=None, timing="idle")
+    staged = profiler.profile_model(spec, 2, warmup=1, repeats=2, optimizer=None, timing="stage")
+    for (fa, _, _), (fs, _, _) in zip(_times(alone), _times(staged)):
+        assert fa < 5.0 + SLACK_MS
+        assert 25.0 <= fs < 25.0 + SLACK_MS
+
+
+def test_a_model_larger_than_the_budget_is_timed_a_window_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    sleeps = [(2.0, 4.0), (6.0, 8.0), (4.0, 2.0)]
+    spec = _spec([SleepLayer(f, b) for f, b in sleeps])
+    windows: list[int] = []
+    real = chain.time_chain
+
+    def spy(layers: Any, *args: Any, **kw: Any) -> Any:
+        windows.append(len(layers))
+        return real(layers, *args, **kw)
+
+    monkeypatch.setattr(chain, "machine_bytes", lambda dev: (800, "tiny"))  # 200 bytes: a layer per window
+    monkeypatch.setattr(chain, "time_chain", spy)
+    prof = profiler.profile_model(spec, 2, warmup=1, repeats=2, optimizer=None, timing="stage")
+    assert windows == [1, 1, 1]
+    for (f, b), (tf, tb, _) in zip(sleeps, _times(prof)):
+        assert f <= tf < f + SLACK_MS
+        assert b <= tb < b + SLACK_MS
+
+
+class TwoOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x[0] if isinstance(x, tuple) else x
+        return self.fc(x), self.fc(x) * 2  # the second output is unused by the next layer
+
+
+class FirstOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.fc(x[0])
+
+
+def test_outputs_the_next_layer_leaves_unused_get_no_backward() -> None:
+    layers = [TwoOut(), FirstOnly()]
+    fwd, bwd, acc, passes, out = time_chain(layers, torch.randn(2, 4), torch.device("cpu"), warmup=1, repeats=1)
+    assert [len(f) for f in fwd] == [2, 2] and [len(b) for b in bwd] == [1, 1] and [len(a) for a in acc] == [1, 1]
+    assert len(passes) == 2 and not out.requires_grad
+    assert all(p.grad is None for layer in layers for p in layer.parameters())  # left as found
+
+
+def test_the_cli_writes_stage_timing_on_cpu_and_refuses_kernels(tmp_path: Any, capsys: Any) -> None:
+    out = tmp_path / "p.json"
+    args = ["--model", "mlp", "--model-args", '{"layers": 3, "hidden": 16}', "--microbatch-size", "4",
+            "--warmup", "0", "--repeats", "1", "-o", str(out)]
+    assert profiler.main([*args, "--timing", "stage"]) == 0
+    assert json.loads(out.read_text())["timing"] == "stage"
+    assert Profile.load(str(out)).timing == "stage"
+    assert profiler.main([*args, "--timing", "kernels"]) == 2
+    assert "--timing kernels times CUDA kernels: it needs --device cuda, found cpu" in capsys.readouterr().err
+    with pytest.raises(ProfileError, match="--timing must be one of idle, kernels, stage, found 'fast'"):
+        profiler.profile_model(_spec([SleepLayer(0, 0)]), 2, timing="fast")
+
+
+class Cut(nn.Module):
+    """Passes its input on without a gradient path (a frozen feature extractor's end)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+
+def test_layers_before_a_cut_in_the_chain_have_no_backward() -> None:
+    layers = [SleepLayer(1.0, 6.0), Cut(), SleepLayer(1.0, 8.0)]
+    fwd, bwd, acc, _, _ = time_chain(layers, torch.randn(2, 4), torch.device("cpu"), warmup=0, repeats=1)
+    assert bwd[0] == [0.0] and bwd[1] == [0.0] and acc[0] == [0.0]
+    assert 8.0 <= bwd[2][0] < 8.0 + SLACK_MS and 1.0 <= fwd[0][0] < 1.0 + SLACK_MS
