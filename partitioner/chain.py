@@ -52,8 +52,8 @@ def time_chain(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: i
 
     Passes alternate between a backward into no gradients and one accumulating into them (every microbatch
     of a flushed step but the first); `warmup` passes first are not kept. Returns, per layer, the forward,
-    backward and accumulating backward times of the kept passes, each kept pass's total, and the chain's
-    (detached) output. A layer whose outputs get no gradient (the chain cut before it) has no backward: 0."""
+    backward and accumulating backward times of the kept passes, the total of each kept pass that did not
+    accumulate (for the spread between repeats), and the chain's (detached) output. A layer whose outputs get no gradient (the chain cut before it) has no backward: 0."""
     n = len(layers)
     clock = Marks(device)
     x = map_tensors(x, lambda t: t.to(device))  # once: a copy from the host inside a pass would wait for it
@@ -101,7 +101,8 @@ def time_chain(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: i
             fwd[k].append(f)
             (acc if accumulate else bwd)[k].append(b)
             total += f + b
-        passes.append(total)
+        if not accumulate:  # the spread compares like passes: an accumulating backward takes longer
+            passes.append(total)
     for layer in layers:
         layer.zero_grad(set_to_none=True)
     return fwd, bwd, acc, passes, map_tensors(h, lambda t: t.detach())
