@@ -79,7 +79,7 @@ class Monitor:
         rate = self.progress.update(step, loss) if self.progress is not None else 0.0
         if not isinstance(self.timer, SpanTimer):
             return
-        spans, steps = self.timer.resolve()
+        spans, steps = self.timer.resolve(wait=False)  # the steps the device has finished: no sync
         if self.trace_path:
             self.trace_spans += spans
         if not self.tensorboard:

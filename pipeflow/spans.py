@@ -37,6 +37,7 @@ class SpanTimer:
         self.ref: Any = None  # CUDA: the event that marks time zero
         self._spans: list[tuple[str, int | None, int, Any, Any]] = []
         self._steps: list[tuple[int, Any, Any]] = []  # (step, begin, end), unresolved
+        self._spans_at: list[int] = []  # per unresolved step: how many spans were recorded by its end
         self._free: list[Any] = []  # CUDA events whose times were read (resolve): recorded again, not recreated
         self._begin: Any = self._now()
 
@@ -58,6 +59,7 @@ class SpanTimer:
         self.ref = self._now()
         self._spans.clear()
         self._steps.clear()
+        self._spans_at.clear()
         self.step = step
         self._begin = self._now()
 
@@ -69,21 +71,40 @@ class SpanTimer:
         (what throughput sees), the monitor's own report time included as idle."""
         end = self._now()
         self._steps.append((step, self._begin, end))
+        self._spans_at.append(len(self._spans))
         self._begin = end
         self.step = step + 1
 
-    def resolve(self) -> tuple[list[Span], list[tuple[int, float, float]]]:
-        """The spans and step intervals recorded since the last call, in seconds. Syncs the device on CUDA."""
-        if self.cuda:
+    def resolve(self, *, wait: bool = True) -> tuple[list[Span], list[tuple[int, float, float]]]:
+        """The spans and step intervals recorded since the last call, in seconds. With `wait` (the end of a
+        run) all of them, syncing the device on CUDA. Without (a report in the steady state), on CUDA only the
+        steps whose end the device has reached and the spans recorded before that end, read without a sync:
+        a sync at every report drained the device's queue on ranks that otherwise never wait for it (issue 15,
+        --trace < 1%); the rest comes at the next call."""
+        n_steps, n_spans = len(self._steps), len(self._spans)
+        if self.cuda and wait:
             torch.cuda.synchronize()
-        spans = [Span(k, mb, st, self._seconds(a), self._seconds(b)) for k, mb, st, a, b in self._spans]
-        steps = [(st, self._seconds(a), self._seconds(b)) for st, a, b in self._steps]
-        if self.cuda:  # every event read, but the open step's beginning and time zero: record them again later
-            done = {id(e): e for _, _, _, a, b in self._spans for e in (a, b)}
-            done.update((id(e), e) for _, a, b in self._steps for e in (a, b))
-            self._free += [e for e in done.values() if e is not self._begin and e is not self.ref]
-        self._spans.clear()
-        self._steps.clear()
+        elif self.cuda:
+            n_steps = 0
+            for _, _, end in self._steps:  # recorded in order on one stream: they complete in order
+                if not end.query():
+                    break
+                n_steps += 1
+            n_spans = self._spans_at[n_steps - 1] if n_steps else 0
+            if not all(b.query() for *_, b in self._spans[:n_spans]):  # a span on another stream, still running
+                torch.cuda.synchronize()
+        spans = [Span(k, mb, st, self._seconds(a), self._seconds(b)) for k, mb, st, a, b in self._spans[:n_spans]]
+        steps = [(st, self._seconds(a), self._seconds(b)) for st, a, b in self._steps[:n_steps]]
+        if self.cuda:  # the events read go back to the pool, but those still in use (an open step's beginning,
+            # time zero, the events of what is left for the next call)
+            left = {id(e) for *_, a, b in self._spans[n_spans:] for e in (a, b)}
+            left.update(id(e) for _, a, b in self._steps[n_steps:] for e in (a, b))
+            left.update((id(self._begin), id(self.ref)))
+            done = {id(e): e for *_, a, b in self._spans[:n_spans] for e in (a, b)}
+            done.update((id(e), e) for _, a, b in self._steps[:n_steps] for e in (a, b))
+            self._free += [e for k, e in done.items() if k not in left]
+        del self._spans[:n_spans], self._steps[:n_steps], self._spans_at[:n_steps]
+        self._spans_at[:] = [n - n_spans for n in self._spans_at]
         return spans, steps
 
 
