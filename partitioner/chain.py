@@ -53,7 +53,8 @@ def time_chain(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: i
     Passes alternate between a backward into no gradients and one accumulating into them (every microbatch
     of a flushed step but the first); `warmup` passes first are not kept. Returns, per layer, the forward,
     backward and accumulating backward times of the kept passes, the total of each kept pass that did not
-    accumulate (for the spread between repeats), and the chain's (detached) output. A layer whose outputs get no gradient (the chain cut before it) has no backward: 0."""
+    accumulate (for the spread between repeats), and the chain's (detached) output. A layer whose outputs
+    get no gradient (a later layer cuts the chain) has no backward: 0."""
     n = len(layers)
     clock = Marks(device)
     x = map_tensors(x, lambda t: t.to(device))  # once: a copy from the host inside a pass would wait for it
@@ -117,7 +118,7 @@ def _layer_bytes(stats: dict[str, Any]) -> int:
 def time_as_a_stage(spec: ModelSpec, layers: list[dict[str, Any]], x: Any, dev: torch.device,
                      dtype: torch.dtype | None, *, warmup: int, repeats: int) -> list[float]:
     """--timing stage: replace each layer's forward and backward times in `layers` (profile_layer's numbers)
-    with measure.time_chain's, run over windows of consecutive layers whose bytes fit in half the free memory
+    with time_chain's, run over windows of consecutive layers whose bytes fit in half the free memory
     (a model too large for the device is timed a window at a time; the first layer of a window starts
     from a drained chain). A layer's share of its backward's weight gradients (backward_weight_ms) is kept.
     Returns the passes' totals, for the repeat spread."""
