@@ -1,10 +1,12 @@
-"""pipeflow-profile --timing stage: each layer timed inside the chain a stage runs (issue 13: a layer timed alone,
-again and again, is not what it costs between other layers in a busy stage)."""
+"""pipeflow-profile --timing stage: each layer timed inside the chain of layers a stage runs.
+
+Issue 13: a layer timed alone, again and again, is not what it costs between other layers in a busy stage."""
 from __future__ import annotations
 
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,8 +41,18 @@ class Marks:
         return float(a.elapsed_time(b))
 
 
-def time_chain(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: int, repeats: int
-               ) -> tuple[list[list[float]], list[list[float]], list[list[float]], list[float], Any]:
+@dataclass
+class ChainTimes:
+    """time_chain's result: per layer, the ms of each kept pass."""
+
+    forward: list[list[float]]
+    backward: list[list[float]]  # passes whose backward found no gradients
+    accumulate: list[list[float]]  # passes whose backward accumulated into existing gradients
+    passes: list[float]  # the total of each pass that did not accumulate (the spread between repeats)
+    output: Any  # the chain's output, detached: the next window's input
+
+
+def time_chain(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: int, repeats: int) -> ChainTimes:
     """Each layer's ms timed as a stage runs its layers (pipeflow-profile --timing stage): the forward of
     the whole chain, then one backward through it, pass after pass, nothing waiting between layers or passes
     (Marks, read once at the end; in the backward, a hook on each layer's outputs marks when their gradient
@@ -51,10 +63,8 @@ def time_chain(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: i
     backward by its own call (a host round trip per layer) made the backward host-bound at small microbatches.
 
     Passes alternate between a backward into no gradients and one accumulating into them (every microbatch
-    of a flushed step but the first); `warmup` passes first are not kept. Returns, per layer, the forward,
-    backward and accumulating backward times of the kept passes, the total of each kept pass that did not
-    accumulate (for the spread between repeats), and the chain's (detached) output. A layer whose outputs
-    get no gradient (a later layer cuts the chain) has no backward: 0."""
+    of a flushed step but the first); `warmup` passes first are not kept. A layer whose outputs get no
+    gradient (a later layer cuts the chain) has no backward: 0."""
     n = len(layers)
     clock = Marks(device)
     x = map_tensors(x, lambda t: t.to(device))  # once: a copy from the host inside a pass would wait for it
@@ -106,7 +116,7 @@ def time_chain(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: i
             passes.append(total)
     for layer in layers:
         layer.zero_grad(set_to_none=True)
-    return fwd, bwd, acc, passes, map_tensors(h, lambda t: t.detach())
+    return ChainTimes(fwd, bwd, acc, passes, map_tensors(h, lambda t: t.detach()))
 
 
 def _layer_bytes(stats: dict[str, Any]) -> int:
@@ -132,11 +142,12 @@ def time_as_a_stage(spec: ModelSpec, layers: list[dict[str, Any]], x: Any, dev: 
             need += _layer_bytes(layers[end])
             end += 1
         works = [sandbox_copy(layer, dev, dtype) for layer in spec.layers[start:end]]
-        fwd, bwd, acc, totals, x = time_chain(works, x, dev, warmup=warmup, repeats=repeats)
+        times = time_chain(works, x, dev, warmup=warmup, repeats=repeats)
         del works
         free_cached(dev)
-        passes = [a + b for a, b in zip(passes, totals)] if passes else totals
-        for stats, f, b, a in zip(layers[start:end], fwd, bwd, acc):
+        x = times.output
+        passes = [a + b for a, b in zip(passes, times.passes)] if passes else times.passes
+        for stats, f, b, a in zip(layers[start:end], times.forward, times.backward, times.accumulate):
             share = stats["backward_weight_ms"] / stats["backward_ms"] if stats.get("backward_weight_ms") else None
             stats["forward_ms"] = statistics.median(f)
             stats["backward_ms"] = statistics.median(b)

@@ -119,9 +119,10 @@ class FirstOnly(nn.Module):
 
 def test_outputs_the_next_layer_leaves_unused_get_no_backward() -> None:
     layers = [TwoOut(), FirstOnly()]
-    fwd, bwd, acc, passes, out = time_chain(layers, torch.randn(2, 4), torch.device("cpu"), warmup=1, repeats=1)
-    assert [len(f) for f in fwd] == [2, 2] and [len(b) for b in bwd] == [1, 1] and [len(a) for a in acc] == [1, 1]
-    assert len(passes) == 1 and not out.requires_grad  # the pass that did not accumulate
+    times = time_chain(layers, torch.randn(2, 4), torch.device("cpu"), warmup=1, repeats=1)
+    assert [len(f) for f in times.forward] == [2, 2] and [len(b) for b in times.backward] == [1, 1]
+    assert [len(a) for a in times.accumulate] == [1, 1]
+    assert len(times.passes) == 1 and not times.output.requires_grad  # the pass that did not accumulate
     assert all(p.grad is None for layer in layers for p in layer.parameters())  # left as found
 
 
@@ -147,6 +148,6 @@ class Cut(nn.Module):
 
 def test_layers_before_a_cut_in_the_chain_have_no_backward() -> None:
     layers = [SleepLayer(1.0, 6.0), Cut(), SleepLayer(1.0, 8.0)]
-    fwd, bwd, acc, _, _ = time_chain(layers, torch.randn(2, 4), torch.device("cpu"), warmup=0, repeats=1)
-    assert bwd[0] == [0.0] and bwd[1] == [0.0] and acc[0] == [0.0]
-    assert 8.0 <= bwd[2][0] < 8.0 + SLACK_MS and 1.0 <= fwd[0][0] < 1.0 + SLACK_MS
+    times = time_chain(layers, torch.randn(2, 4), torch.device("cpu"), warmup=0, repeats=1)
+    assert times.backward[0] == [0.0] and times.backward[1] == [0.0] and times.accumulate[0] == [0.0]
+    assert 8.0 <= times.backward[2][0] < 8.0 + SLACK_MS and 1.0 <= times.forward[0][0] < 1.0 + SLACK_MS
