@@ -108,7 +108,9 @@ def time_chain(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: i
             f = clock.ms(fwd_marks[k], fwd_marks[k + 1])
             begin = start if k == n - 1 else at.get(k)
             finish = at.get(k - 1, end) if k > 0 else end
-            b = clock.ms(begin, finish) if begin is not None else 0.0
+            # A tensor passed through several layers (a skip connection carried in a tuple) completes its
+            # gradient once, for all of them: their marks may coincide or cross; none takes negative time.
+            b = max(0.0, clock.ms(begin, finish)) if begin is not None else 0.0
             fwd[k].append(f)
             (acc if accumulate else bwd)[k].append(b)
             total += f + b

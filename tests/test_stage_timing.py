@@ -151,3 +151,32 @@ def test_layers_before_a_cut_in_the_chain_have_no_backward() -> None:
     times = time_chain(layers, torch.randn(2, 4), torch.device("cpu"), warmup=0, repeats=1)
     assert times.backward[0] == [0.0] and times.backward[1] == [0.0] and times.accumulate[0] == [0.0]
     assert 8.0 <= times.backward[2][0] < 8.0 + SLACK_MS and 1.0 <= times.forward[0][0] < 1.0 + SLACK_MS
+
+
+class Skip(nn.Module):
+    """Returns (its own output, the skip tensor it was given or made), passing the skip through unchanged."""
+
+    def __init__(self, make: bool) -> None:
+        super().__init__()
+        self.fc, self.make = nn.Linear(4, 4), make
+
+    def forward(self, x: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        h, skip = (x, x) if self.make else x
+        return torch.tanh(self.fc(h)), skip
+
+
+class Join(nn.Module):
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return x[0] + x[1]
+
+
+def test_a_skip_connection_carried_through_layers_times_every_layer() -> None:
+    layers = [Skip(True), Skip(False), Skip(False), Join()]
+    times = time_chain(layers, torch.randn(2, 4), torch.device("cpu"), warmup=1, repeats=2)
+    assert all(t >= 0.0 for per in (times.forward, times.backward, times.accumulate) for ts in per for t in ts)
+    assert all(len(ts) == 2 for ts in times.backward)
+    # The profiler over such a model: every layer priced, the passes consistent.
+    spec = _spec([Skip(True), Skip(False), Join(), SleepLayer(1.0, 2.0)])
+    prof = profiler.profile_model(spec, 2, warmup=1, repeats=1, optimizer=None, timing="stage")
+    assert len(prof.layers) == 4 and all(lay.backward_ms >= 0.0 for lay in prof.layers)
+    assert 2.0 <= prof.layers[3].backward_ms < 2.0 + SLACK_MS
