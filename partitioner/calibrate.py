@@ -43,15 +43,18 @@ update after every backward, no agreement in its STEP):
 
     update_ms = median of (STEP spans + the host's gaps right after them) / updates - profiled optimizer step
 
+and without one, from the STEP spans of the other traces (one update a step; ranks without replicas, whose
+STEP holds no all-reduce): per step the least any rank's STEP took beyond its profiled optimizer step (the
+rank that reached its STEP last waited there for no other: the non-finite check and the ranks' agreement
+themselves), the median over steps.
+
 The first `--skip` steps (warm-up) are left out. The numbers go into profile.json (`action_ms`, `message_ms`,
 `link_bandwidth`, `latency_ms`, `step_gap_ms`, `compute_factor`, `layer_ms`, `update_ms`); the planner adds
 the first two to every stage (costmodel.LayerCosts.stage_overhead_ms), plans on the third without
 --topology, the simulator delays every message by the fourth (off the links) and adds the fifth once a step,
 the layers' times are multiplied by the sixth, the seventh is added per layer of a stage to each of its
-forwards and backwards, and the eighth to every optimizer step of a rank. They are
-properties of the machine and the runtime, so the calibration runs serve the other models planned on that
-machine.
-"""
+forwards and backwards, and the eighth to every optimizer step of a rank. They are properties of the machine
+and the runtime: the calibration runs serve the other models planned on that machine."""
 from __future__ import annotations
 
 import argparse
@@ -98,9 +101,9 @@ SPREAD = 1.5  # fit compute_factor only where the same layers' profiled work per
 def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimizer: str = "adam",
               also: Sequence[Run] = ()) -> dict[str, float]:
     """What the traced run of `plan` (and the runs `also`, priced on their own profiles) shows (module
-    docstring): `action_ms` and `step_gap_ms` always, `compute_factor` where the same layers ran at profiled
-    work SPREAD x apart (two microbatch sizes), `message_ms` where ranks sent (a pipeline), `link_bandwidth`
-    where a stage has replicas (data parallelism), `latency_ms` where a pipeline ran a flush schedule."""
+    docstring): `action_ms`, `step_gap_ms`, `update_ms` where a rank stepped, `compute_factor` where the same
+    layers ran at profiled work SPREAD x apart (two microbatch sizes), `message_ms` where ranks sent (a
+    pipeline), `link_bandwidth` where a stage has replicas, `latency_ms` where a pipeline ran a flush schedule."""
     runs = [(profile, plan, trace), *also]
     # per run and rank: its layers, profiled ms per microbatch, median own ms per microbatch
     groups: list[tuple[tuple[int, int], float, float]] = []
@@ -109,8 +112,9 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
     reduce: list[float] = []  # bytes/s of the replicas' all-reduce, per rank and step
     gaps: list[float] = []  # ms between a rank's steps, outside every span
     per_update: list[float] = []  # ms an update takes beyond the profiled optimizer step (async traces)
+    step_excess: dict[tuple[int, int], list[float]] = defaultdict(list)  # (run, step) -> per rank, other traces
     periods: list[tuple[Profile, Plan, float]] = []  # flush-schedule pipelines and their traced step time
-    for prof, pl, tr in runs:
+    for run, (prof, pl, tr) in enumerate(runs):
         if pl.virtual_stages > 1:
             raise ProfileError(f"calibrate needs a plan with one stage per rank, found {pl.virtual_stages} chunks "
                                "per rank (interleaved): trace a plan without --virtual-stages")
@@ -146,6 +150,8 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
                     # right after it take beyond the profiled optimizer step
                     spent = step_ms + sum(gap for kind, gap in after if kind == "STEP")
                     per_update.append(spent / updates - lay.optimizer_ms_per_byte * p)
+                elif st.replicas == 1 and updates:
+                    step_excess[(run, step)].append(step_ms / updates - lay.optimizer_ms_per_byte * p)
                 if st.replicas > 1 and p > 0 and last_b:
                     # The all-reduce starts with the last backward (reduce.py buckets it there) and ends inside
                     # STEP, before the optimizer step: the simulator's model, read backwards.
@@ -165,6 +171,8 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
     out["step_gap_ms"] = statistics.fmean(gaps) if gaps else 0.0
     if per_update:
         out["update_ms"] = max(0.0, statistics.median(per_update))
+    elif step_excess:
+        out["update_ms"] = max(0.0, statistics.median(min(v) for v in step_excess.values()))
     if sends:
         out["message_ms"] = statistics.median(sends)
     if reduce:
@@ -278,14 +286,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ProfileError, PlanError, OSError) as e:
         print(f"calibrate: error: {e}", file=sys.stderr)
         return 2
-    print(f"runtime per action {found['action_ms']:.3f} ms"
-          + (f", per layer {found['layer_ms']:.3f} ms" if "layer_ms" in found else "")
-          + (f", layers x {found['compute_factor']:.3f}" if "compute_factor" in found else "")
-          + (f", per message sent {found['message_ms']:.3f} ms" if "message_ms" in found else "")
-          + (f", all-reduce {found['link_bandwidth'] / 1e9:.2f} GB/s" if "link_bandwidth" in found else "")
-          + (f", latency per message {found['latency_ms']:.3f} ms" if "latency_ms" in found else "")
-          + (f", per update {found['update_ms']:.3f} ms" if "update_ms" in found else "")
-          + f", between steps {found['step_gap_ms']:.3f} ms -> {args.output}")
+    shown = {"layer_ms": "per layer {:.3f} ms", "compute_factor": "layers x {:.3f}", "message_ms":
+             "per message sent {:.3f} ms", "link_bandwidth": "all-reduce {:.2f} GB/s", "latency_ms":
+             "latency per message {:.3f} ms", "update_ms": "per update {:.3f} ms"}
+    scaled = {k: v / 1e9 if k == "link_bandwidth" else v for k, v in found.items()}
+    print(", ".join([f"runtime per action {found['action_ms']:.3f} ms"]
+                    + [fmt.format(scaled[k]) for k, fmt in shown.items() if k in found]
+                    + [f"between steps {found['step_gap_ms']:.3f} ms -> {args.output}"]))
     return 0
 
 

@@ -120,21 +120,23 @@ def test_calibrated_latency_makes_the_simulation_take_the_traced_step_time() -> 
     prof, plan = profile(), straight("1f1b", 1)
     found = calibrate(prof, plan, trace(spans, 5), skip=2)
     assert found["step_gap_ms"] == pytest.approx(0.65)
-    without = evaluate_plan(profile(**{k: found[k] for k in ("action_ms", "message_ms", "step_gap_ms")}), plan)
+    assert found["update_ms"] == pytest.approx(1.0)  # each STEP beyond its (here zero) profiled optimizer step
+    without = evaluate_plan(profile(**{k: found[k] for k in ("action_ms", "message_ms", "step_gap_ms", "update_ms")}),
+                            plan)
     assert without.plan.predicted["step_ms"] < 10  # the traced 100 ms are mostly unexplained
     with_latency = evaluate_plan(profile(**found), plan)
     assert with_latency.plan.predicted["step_ms"] == pytest.approx(100.0, abs=1e-6)
     # One microbatch through two stages: its activation and its gradient lie on the critical path.
     assert found["latency_ms"] == pytest.approx((100.0 - without.plan.predicted["step_ms"]) / 2, abs=1e-6)
     # A run no slower than its simulation has no latency to explain: the same work packed into 7 ms steps
-    # (gaps 0.3 and 1.1 ms), simulated at 4 x (1 + 0.5) + 2 x 0.3 + 0.7 = 7.3 ms.
+    # (gaps 0.3 and 1.1 ms), simulated at 4 x (1 + 0.5) + 2 x 0.3 + 0.7 + 1.0 (rank 0's STEP) = 8.3 ms.
     packed = {0: [("F0", 0.0, 1.5), ("SEND_F0", 1.5, 0.3), ("WAIT_B0", 1.8, 2.2), ("B0", 4.0, 1.5),
                   ("STEP", 5.7, 1.0)],
               1: [("WAIT_F0", 0.0, 1.8), ("F0", 1.8, 1.4), ("B0", 3.2, 1.4), ("SEND_B0", 4.6, 0.3), ("STEP", 4.9, 1.0)]}
     fast = calibrate(prof, plan, trace(packed, 5, period=7.0), skip=2)
     assert fast["step_gap_ms"] == pytest.approx(0.7)
     assert evaluate_plan(profile(**{k: v for k, v in fast.items() if k != "latency_ms"}), plan).plan.predicted[
-        "step_ms"] == pytest.approx(7.3)
+        "step_ms"] == pytest.approx(8.3)
     assert fast["latency_ms"] == 0.0
 
 
@@ -283,5 +285,27 @@ def test_calibrate_reads_the_time_per_update_from_an_async_trace_and_the_planner
     assert evaluate_plan(profile(**found), plan).plan.predicted["step_ms"] == pytest.approx(12.0)
     flush = Plan("1f1b", 2, 1, [StagePlan((0, 2), 1, [0])])
     assert evaluate_plan(profile(**found), flush).plan.predicted["step_ms"] == pytest.approx(10.25)
-    # A flush schedule's STEP also holds the ranks' agreement, which the simulator models: no update_ms from it.
-    assert "update_ms" not in calibrate(prof, flush, trace(spans, 5, period=12.0), skip=2)
+    # Read from a flush schedule's trace instead: the STEP spans alone, 1.5 ms each (the host's gap after
+    # them is the step's own, step_gap_ms, under a flush schedule).
+    assert calibrate(prof, flush, trace(spans, 5, period=12.0), skip=2)["update_ms"] == pytest.approx(1.5)
+
+
+def test_a_flush_schedules_update_is_read_on_the_rank_that_waited_for_no_other() -> None:
+    # gpipe, two stages: rank 1 finishes its backward first and its STEP (3.1 ms) holds the wait for rank 0 in
+    # the ranks' agreement; rank 0 reaches its STEP last, and its 1.2 ms are the update's own time (the
+    # non-finite check, the agreement, the step beyond its profile: here none). Rank 0's STEP is on the
+    # critical path, and the simulator then prices it.
+    spans = {0: [("F0", 0.0, 1.5), ("SEND_F0", 1.5, 0.3), ("WAIT_B0", 1.8, 2.2), ("B0", 4.0, 1.5),
+                 ("STEP", 5.5, 1.2)],
+             1: [("WAIT_F0", 0.0, 1.8), ("F0", 1.8, 1.4), ("B0", 3.2, 1.4), ("SEND_B0", 4.6, 0.3),
+                 ("STEP", 4.9, 3.1)]}
+    plan = straight("gpipe", 1)
+    found = calibrate(profile(), plan, trace(spans, 5, period=8.0), skip=2)
+    assert found["update_ms"] == pytest.approx(1.2)
+    # async traces, where given, say what an update takes instead (their STEP has no agreement to wait in).
+    async_plan = Plan("async", 2, 1, [StagePlan((0, 2), 1, [0])])
+    one = {0: [("F0", 0.0, 2.0), ("B0", 2.0, 2.0), ("STEP", 4.0, 0.5), ("F1", 6.0, 2.0), ("B1", 8.0, 2.0),
+               ("STEP", 10.0, 0.5)]}
+    both = calibrate(profile(), plan, trace(spans, 5, period=8.0), skip=2,
+                     also=[(profile(), async_plan, trace(one, 5, period=12.0))])
+    assert both["update_ms"] == pytest.approx((0.5 + 1.5 + 0.5) / 2)
