@@ -82,8 +82,8 @@ class Timer:
     where the host is the slower one. On 2 x H100 (GPT 24 x 2048, benchmarks/gpu/README.md, "The profile
     against the stage") the first over-priced the 2-stage pipelines at microbatch 2 by 13-16% and the second
     under-priced them by 16-22%: the stages are partly host-bound there. At microbatch 8 the first was within
-    6% and a held variant 9-10% fast. So pipeflow-profile keeps the first by default (`--timing idle`); the
-    second is `--timing kernels`.
+    6% and a held variant 9-10% fast. The first is `--timing idle` (the default on CPU), the second `--timing
+    kernels`; on CUDA the default times each layer inside the chain a stage runs instead (partitioner.chain).
 
     Held: the device is first kept busy (torch.cuda._sleep) while the host launches `fn`'s kernels, and the
     events around them time the kernels back to back. Launches that outlast the hold make the next call's hold
