@@ -143,8 +143,9 @@ def plan_on_the_spot(args: TrainConfig, spec: ModelSpec, world_size: int, rank: 
 
 def forget_profiling(device: str) -> None:
     """After profiling on the spot on a GPU: the peak memory training reports (runner.py) must be training's,
-    not the profile's (rank 0 held every layer at once: on 2 H100s it reported 17.39 GiB for a 13.82 GiB
-    training), nor the profile's cached blocks held. Logs the profile's own peak, then frees and resets."""
+    not the profile's (`--timing stage` runs the whole model's chain on rank 0), nor the profile's cached blocks
+    held. Logs the profile's own peak, then frees and resets. (Rank 0's 17.39 GiB for a 13.82 GiB training on 2
+    H100s, and 32.59 for 25.07 on 2 H200s, were tensors the profiler leaked, not its peak: partitioner/layermem.py.)"""
     if device != "cuda":
         return
     log.info("profiling on the spot peaked at %.2f GiB of this GPU (not in training's peak below)",
