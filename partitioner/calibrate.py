@@ -119,9 +119,9 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
             raise ProfileError(f"calibrate needs a plan with one stage per rank, found {pl.virtual_stages} chunks "
                                "per rank (interleaved): trace a plan without --virtual-stages")
         lay = layer_costs(replace(prof, compute_factor=None), pl.schedule, optimizer)  # as profiled
+        kind = schedule_kind(pl.schedule)
         L = len(lay)
-        by_rank = _spans(tr)
-        sent = len(sends)
+        by_rank, sent = _spans(tr), len(sends)
         for rank, steps in by_rank.items():
             st = pl.stages[pl.stage_of_rank(rank)[0]]
             a, b = st.layers
@@ -145,7 +145,7 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
                 last_b = [end - start for kind, start, end in spans if kind == "B"][-1:]
                 step_ms = sum(end - start for kind, start, end in spans if kind == "STEP")
                 updates = sum(kind == "STEP" for kind, _, _ in spans)
-                if schedule_kind(pl.schedule).step_per_backward and st.replicas == 1 and updates:
+                if kind.step_per_backward and st.replicas == 1 and updates:
                     # async: an update after every backward, no agreement in it; what it and the host's time
                     # right after it take beyond the profiled optimizer step
                     spent = step_ms + sum(gap for kind, gap in after if kind == "STEP")
@@ -160,7 +160,7 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
                         reduce.append(2 * (st.replicas - 1) / st.replicas * p / (ms / 1e3))
             if own_per_mb:
                 groups.append(((a, b), profiled, statistics.median(own_per_mb)))
-        period = _step_period_ms(by_rank, skip) if len(sends) > sent and schedule_kind(pl.schedule).flush else None
+        period = _step_period_ms(by_rank, skip) if len(sends) > sent and kind.flush else None
         if period is not None:
             periods.append((prof, pl, period))
     if not per_action:

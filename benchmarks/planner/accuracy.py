@@ -126,8 +126,9 @@ def calibration(tmp: Path, runs: int, updates: bool = False) -> dict[str, float]
     """The runtime's costs from traced runs of the first case as a straight pipeline (every stage sends) and as
     data parallelism (link_bandwidth: the all-reduce between ranks), each pair read together (action_ms and
     layer_ms apart): each number the median of `runs` pairs (one run's reading moved by ±25 % between runs on
-    this machine). With `updates`, a straight async run of it is traced and read too: `update_ms`, an update's
-    time beyond the profiled optimizer step (async updates after every backward)."""
+    this machine); `update_ms`, an update's time beyond the profiled optimizer step, from the pipeline's STEP
+    spans. With `updates`, a straight async run of it is traced and read too, and `update_ms` comes from it
+    (async updates after every backward)."""
     model, args, workers, b, m, schedule, steps = CASES[0]
     py = sys.executable
     profile(model, args, b, workers if CONCURRENT else 1, tmp)
