@@ -63,6 +63,13 @@ class Plan:
         return [s.replicas for s in self.stages[:self.groups]]
 
     @property
+    def warmup(self) -> list[int] | None:
+        """1f1b's forwards before the first backward per stage, as the planner chose them (optional field
+        `warmup`); None: the schedule's minimum."""
+        w = self.extra.get("warmup")
+        return list(w) if w is not None else None
+
+    @property
     def num_layers(self) -> int:
         return self.stages[-1].layers[1] if self.stages else 0
 
@@ -102,9 +109,25 @@ class Plan:
                             f"expected each of 0..{self.workers - 1} exactly once")
         if num_layers is not None and start != num_layers:
             raise PlanError(f"plan covers layers [0, {start}) but the model has {num_layers} layers")
+        warmup = self.extra.get("warmup")
+        if warmup is not None:
+            if not schedule_kind(self.schedule).warmup_applies:
+                raise PlanError(f"plan.warmup applies to schedule 1f1b only, found {self.schedule!r}")
+            if (not isinstance(warmup, list) or len(warmup) != self.groups
+                    or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in warmup)):
+                raise PlanError(f"plan.warmup must be {self.groups} non-negative integers (forwards before the "
+                                f"first backward, one per stage), found {warmup!r}")
         if world_size is not None and world_size != self.workers:
             raise PlanError(f"plan is for {self.workers} workers but {world_size} processes were started; "
                             f"run mpirun -np {self.workers}")
+
+    def set_schedule(self, name: str) -> None:
+        """Run the plan under schedule `name` (a --schedule override): the planner's warm-up goes where that
+        schedule has none; then validated."""
+        self.schedule = name
+        if name not in SCHEDULES or not schedule_kind(name).warmup_applies:
+            self.extra.pop("warmup", None)
+        self.validate()
 
     def _round_robin(self) -> bool:
         """Stage k runs on the ranks of stage k mod S, for S < the number of stages (interleaved chunks)."""

@@ -3,12 +3,19 @@ simulated step time (the one figure `pipeflow-plan` optimises, reports and write
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from partitioner.planner import LayerCosts
 from partitioner.simulate import SimResult, StageCost, simulate
 from partitioner.topology import Topology
+from pipeflow.actions import ScheduleError
 from pipeflow.kinds import schedule_kind
+from pipeflow.warmup import warmup_forwards
+
+# tune_warmup keeps an extra warm-up forward per stage only where the simulated step shrinks by this share:
+# each costs a microbatch's activations on every stage but the last.
+WARMUP_GAIN = 0.005
 
 
 def schedule_rule(schedule: str, microbatches: int, replicas: Sequence[int]) -> str | None:
@@ -54,10 +61,21 @@ def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int,
     return out
 
 
+@dataclass
+class Priced:
+    """A plan as the search prices it: its stages' costs, its simulation and the warm-up it runs with (1f1b's
+    forwards before the first backward per stage; None: the schedule's minimum)."""
+
+    costs: list[StageCost]
+    sim: SimResult
+    warmup: list[int] | None = None
+
+
 def price(lay: LayerCosts, topology: Topology, schedule: str, microbatches: int,
           ranges: Sequence[tuple[int, int]], ranks: Sequence[Sequence[int]], *, optimizer: str,
-          keep_timeline: bool = False) -> tuple[list[StageCost], SimResult]:
-    """Stage costs and the simulation of the plan (ranks per stage in replica order)."""
+          keep_timeline: bool = False, warmup: Sequence[int] | None = None) -> tuple[list[StageCost], SimResult]:
+    """Stage costs and the simulation of the plan (ranks per stage in replica order); `warmup` (1f1b): the
+    forwards before the first backward per stage, None for the schedule's minimum."""
     costs = stage_costs(lay, topology, ranges, ranks)
     # Stage k on the ranks of stage k mod S (chunks placed round-robin, partitioner/plan.py): v = stages / S.
     groups = next((k for k in range(1, len(ranks)) if list(ranks[k]) == list(ranks[0])), len(ranks))
@@ -65,9 +83,40 @@ def price(lay: LayerCosts, topology: Topology, schedule: str, microbatches: int,
         cost.optimizer_ms += lay.update_ms
     sim = simulate(schedule, costs, [len(r) for r in ranks], microbatches, optimizer=optimizer,
                    keep_timeline=keep_timeline, ranks=ranks, topology=topology,
-                   virtual_stages=len(ranks) // groups)
+                   virtual_stages=len(ranks) // groups, warmup=warmup)
     sim.step_ms += lay.step_gap_ms  # the runtime's time between two steps (calibrated), once per step
     return costs, sim
+
+
+def tune_warmup(lay: LayerCosts, topology: Topology, schedule: str, microbatches: int,
+                ranges: Sequence[tuple[int, int]], ranks: Sequence[Sequence[int]], *, optimizer: str,
+                memory_per_worker: float | None, priced: Priced, keep_timeline: bool = False) -> Priced:
+    """1f1b's warm-up depth for this plan: DAPPLE's minimum (S-1-s forwards before the first backward) leaves
+    a stage idle whenever the round trip of its oldest microbatch through the stages after it, messages
+    included, takes longer than the forwards it runs meanwhile; stages whose forward and backward are
+    balanced differently (the loss on the last) or messages that take time make that happen every
+    microbatch. Each extra forward on every stage but the last is kept while the simulated step shrinks by
+    at least WARMUP_GAIN and every stage's peak memory still fits. `priced` is price()'s result at the
+    minimum."""
+    costs, sim = priced.costs, priced.sim
+    reps = [len(r) for r in ranks]
+    S = len(ranges)
+    if not schedule_kind(schedule).warmup_applies or S < 2:
+        return Priced(costs, sim)
+    least = [warmup_forwards(reps, s) for s in range(S)]
+    best: list[int] | None = None
+    for extra in range(1, microbatches):
+        counts = [w + (extra if s < S - 1 else 0) for s, w in enumerate(least)]  # past m: no change, no gain
+        try:
+            c2, s2 = price(lay, topology, schedule, microbatches, ranges, ranks, optimizer=optimizer,
+                           keep_timeline=keep_timeline, warmup=counts)
+        except ScheduleError:  # counts the order cannot run (none seen: they stay non-increasing downstream)
+            break
+        fits = memory_per_worker is None or max(s2.peak_memory_bytes) <= memory_per_worker
+        if not fits or s2.step_ms > sim.step_ms * (1 - WARMUP_GAIN):
+            break
+        best, costs, sim = counts, c2, s2
+    return Priced(costs, sim, best)
 
 
 def predicted(sim: SimResult, microbatches: int, microbatch_size: int) -> dict[str, Any]:

@@ -81,11 +81,12 @@ class _Schedule(Schedule):
 
 
 def build(name: str, stages: int, microbatches: int, replicas: Sequence[int], *,
-          minibatch: int | None = None, virtual_stages: int = 1) -> Schedule:
+          minibatch: int | None = None, virtual_stages: int = 1, warmup: Sequence[int] | None = None) -> Schedule:
     """The generated schedule, as pipeflow.schedule.generate builds it, without its validation and dry run
-    (the generators are tested; the replay below detects a deadlock itself). `stages` counts rank groups."""
+    (the generators are tested; the replay below detects a deadlock itself). `stages` counts rank groups;
+    `warmup` (1f1b): forwards before the first backward per rank group, None for the schedule's minimum."""
     sched = _Schedule(name, stages, microbatches, tuple(replicas), virtual_stages=virtual_stages)
-    sched.actions = add_communication(sched, compute_orders(sched, minibatch=minibatch))
+    sched.actions = add_communication(sched, compute_orders(sched, minibatch=minibatch, warmup=warmup))
     return sched
 
 
@@ -247,12 +248,13 @@ def _stage_peaks(sched: Schedule, stages: Sequence[StageCost], peak: list[int], 
 def simulate(schedule: str, stages: Sequence[StageCost], replicas: Sequence[int] | None = None,
              microbatches: int = 1, *, optimizer: str = "adam", keep_timeline: bool = False,
              ranks: Sequence[Sequence[int]] | None = None, topology: Topology | None = None,
-             virtual_stages: int = 1) -> SimResult:
+             virtual_stages: int = 1, warmup: Sequence[int] | None = None) -> SimResult:
     """Step time, bubble and memory of `schedule` over the stages. gpipe / 1f1b: one flushed minibatch.
     async / 2bw run without flush: the steady state is the difference of two runs, k and k+2 minibatches
     long, with k large enough to fill the pipeline. With `ranks` (per stage, per replica) and `topology`,
     each message takes StageCost.output_bytes at the bandwidth of the level joining its two ranks.
-    `virtual_stages` v: the stages are S*v chunks, stage k on rank group k mod S (interleaved)."""
+    `virtual_stages` v: the stages are S*v chunks, stage k on rank group k mod S (interleaved). `warmup`
+    (1f1b): forwards before the first backward per rank group (None: the schedule's minimum)."""
     groups = len(stages) // virtual_stages
     reps = tuple(replicas or (1,) * len(stages))[:groups]
     n_workers = sum(reps)
@@ -260,7 +262,7 @@ def simulate(schedule: str, stages: Sequence[StageCost], replicas: Sequence[int]
     kw = {"ranks": ranks, "topology": topology}
     kind = schedule_kind(schedule)
     if kind.flush:
-        sched = build(schedule, groups, m, reps, virtual_stages=virtual_stages)
+        sched = build(schedule, groups, m, reps, virtual_stages=virtual_stages, warmup=warmup)
         t, busy, iv, peak = replay(sched, stages, keep_timeline=keep_timeline, **kw)  # type: ignore[arg-type]
         step, compute = t, sum(busy)
     else:

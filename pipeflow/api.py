@@ -197,6 +197,5 @@ def _resolve_plan(plan: Plan | str | None, num_layers: int, world_size: int, sch
     if microbatches is not None:
         plan.microbatches = microbatches
     if schedule is not None:
-        plan.schedule = schedule
-        plan.validate()
+        plan.set_schedule(schedule)
     return plan

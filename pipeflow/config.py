@@ -115,7 +115,7 @@ class TrainConfig:
     straight: bool = False
     topology: str | None = None
     memory_per_worker: str | None = None
-    warmup: str = "min"
+    warmup: str = "plan"
     peak_tflops: float | None = None
     virtual_stages: int | None = None
     global_batch: int | None = None
@@ -144,8 +144,8 @@ class TrainConfig:
             raise ConfigError(f"--peak-tflops must be > 0 TFLOP/s, found {self.peak_tflops}")
         if self.timeout <= 0:
             raise ConfigError(f"--timeout must be > 0 seconds, found {self.timeout}")
-        if self.warmup not in ("min", "fill") and not all(x.strip().isdigit() for x in self.warmup.split(",")):
-            raise ConfigError(f"--warmup must be min, fill or comma-separated counts like 9,6,3,0, found "
+        if self.warmup not in ("plan", "min", "fill") and not all(x.strip().isdigit() for x in self.warmup.split(",")):
+            raise ConfigError(f"--warmup must be plan, min, fill or comma-separated counts like 9,6,3,0, found "
                               f"{self.warmup!r}")
         if self.checkpoint_every < 0:
             raise ConfigError(f"--checkpoint-every must be >= 0 steps, found {self.checkpoint_every}")

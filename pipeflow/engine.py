@@ -58,8 +58,8 @@ class Engine:
             live.update((id(p), p) for p in c.parameters())
         self._parameters = list(live.values())
         self.optimizer = optimizer_factory(self.parameters())
-        self.flush = self.kind.flush
-        self.warmup, self.vertical_sync = warmup, vertical_sync
+        self.flush, self.vertical_sync = self.kind.flush, vertical_sync
+        self.warmup = warmup if warmup is not None else plan.warmup  # None: the plan's (else the minimum)
         # Flush schedules repeat one step's list; asynchronous ones run the microbatches of a segment
         # (`segment_steps` minibatches; default: the whole run) as one list (begin_segment).
         self._scheds: dict[int, Schedule] = {}

@@ -60,9 +60,8 @@ def _make_plan(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, m
         if args.microbatches is not None:
             plan.microbatches = args.microbatches
         if args.schedule is not None:
-            plan.schedule = args.schedule
             try:  # a plan placing chunks round-robin needs a schedule that runs them
-                plan.validate()
+                plan.set_schedule(args.schedule)
             except PlanError as e:
                 raise PlanError(f"{args.plan}: {e}") from None
         v = virtual_stages(args, plan.schedule)
@@ -176,11 +175,13 @@ def spot_memory(args: TrainConfig, device: str, local_ranks: int) -> tuple[str |
 
 
 def resolve_warmup(text: str, plan: Plan) -> list[int] | None:
-    """--warmup as per-stage counts, or None for the schedule's own (DAPPLE's minimum)."""
-    from pipeflow.schedule import fill_warmup
+    """--warmup as per-stage counts, or None for the plan's (pipeflow-plan's choice, else DAPPLE's minimum)."""
+    from pipeflow.schedule import fill_warmup, warmup_forwards
 
-    if text == "min":
+    if text == "plan":
         return None
+    if text == "min":
+        return [warmup_forwards(plan.replicas, s) for s in range(len(plan.stages))] if plan.warmup else None
     if not schedule_kind(plan.schedule).warmup_applies:
         raise UsageError(f"--warmup {text} applies to --schedule 1f1b only, found {plan.schedule}")
     if text == "fill":

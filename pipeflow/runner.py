@@ -70,6 +70,10 @@ def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Control) -> int:
                     step_gate=step_guard(args, comm, signals), total_steps=args.steps,
                     segment_steps=args.segment_steps)
     engine = pipe.engine
+    if pids is not None and engine.warmup is not None:
+        how = "the plan's" if args.warmup == "plan" else f"--warmup {args.warmup}"
+        log.info("1f1b warm-up: %s forwards before the first backward per stage (%s)",
+                 ", ".join(map(str, engine.warmup)), how)
     info = run_info(args, spec, plan)
     # This rank keeps only its own stage's layers (engine.stage): drop the model-wide list so that the
     # other stages' layers are freed (issue 10, item 3).

@@ -39,12 +39,15 @@ class SpanTimer:
         self._steps: list[tuple[int, Any, Any]] = []  # (step, begin, end), unresolved
         self._spans_at: list[int] = []  # per unresolved step: how many spans were recorded by its end
         self._free: list[Any] = []  # CUDA events whose times were read (resolve): recorded again, not recreated
+        # The stream the engine computes on, read once per step: Event.record() without one builds a Stream
+        # object per call (two per span, hundreds a step at microbatch 2).
+        self._stream: Any = torch.cuda.current_stream(device) if self.cuda else None
         self._begin: Any = self._now()
 
     def _now(self) -> Any:
         if self.cuda:
             ev = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev.record(self._stream)
             return ev
         return time.perf_counter()
 
@@ -56,6 +59,8 @@ class SpanTimer:
         if self.cuda:
             torch.cuda.synchronize()  # once, at start: the zero event then runs when the host says
         self.t0 = time.perf_counter()
+        if self.cuda:
+            self._stream = torch.cuda.current_stream()
         self.ref = self._now()
         self._spans.clear()
         self._steps.clear()
@@ -70,6 +75,8 @@ class SpanTimer:
         """Step `step` ends now; it began where the previous one ended, so a stage's step time is its period
         (what throughput sees), the monitor's own report time included as idle."""
         end = self._now()
+        if self.cuda:
+            self._stream = torch.cuda.current_stream()
         self._steps.append((step, self._begin, end))
         self._spans_at.append(len(self._spans))
         self._begin = end

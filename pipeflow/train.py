@@ -109,9 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-per-worker", default=None,
                    help="planning on the spot: e.g. 16GB (default: 90%% of the GPU's memory; on CPU the host's RAM "
                         "shared by its ranks)")
-    p.add_argument("--warmup", default="min",
-                   help="1f1b forwards before the first backward, per stage: min (DAPPLE, S-1-s), fill (keep "
-                        "early stages busy until their first gradient returns; more activation memory), or N,N,...")
+    p.add_argument("--warmup", default="plan",
+                   help="1f1b forwards before the first backward, per stage: plan (default: the plan's, which "
+                        "pipeflow-plan deepens where its simulation gains; else min), min (DAPPLE, S-1-s), fill "
+                        "(keep early stages busy until their first gradient returns; more activation memory), "
+                        "or N,N,...")
     return p
 
 

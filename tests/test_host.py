@@ -190,7 +190,7 @@ def test_cuda_span_timer_reuses_its_events_and_never_syncs_between_reports(monke
         def __init__(self, enable_timing: bool = False) -> None:
             made.append(self)
 
-        def record(self) -> None:
+        def record(self, stream: object = None) -> None:
             self.t = next(clock)
 
         def elapsed_time(self, other: Event) -> float:
@@ -198,6 +198,7 @@ def test_cuda_span_timer_reuses_its_events_and_never_syncs_between_reports(monke
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
     timer = SpanTimer(torch.device("cpu"))
     timer.cuda = True
     timer.reset(0)

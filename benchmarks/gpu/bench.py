@@ -224,7 +224,7 @@ class Bench:
         return path
 
     def plan(self, prof: Path, schedule: str, m: int, split: str, tag: str, mem_gib: float | None = None,
-             global_batch: bool = False) -> tuple[Path | None, str]:
+             global_batch: bool = False, warmup: str | None = None, straight: bool = False) -> tuple[Path | None, str]:
         """plan.json: pipeflow-plan's (split "plan": under `mem_gib` GiB per worker if given, else the card's
         memory; with `global_batch`, b and m chosen for the sequences), or a given split priced by --evaluate."""
         topo = self.a.topology or f"{self.n}x300GB/s"
@@ -242,13 +242,15 @@ class Bench:
         if split == "plan":
             shape = ["--global-batch", str(self.a.sequences)] if global_batch else ["--microbatches", str(m)]
             cmd = [sys.executable, "-m", "partitioner.cli", "--workers", str(self.n), "--schedule", schedule,
-                   *shape, *common]
+                   *shape, *(["--straight"] if straight else []), *common]
         else:
             counts = [int(c) for c in split.split(",")]
             bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
             given = {"format": "pipeflow.plan/1", "schedule": schedule, "microbatches": m, "workers": len(counts),
                      "stages": [{"layers": [a, b], "replicas": 1, "ranks": [i]}
                                 for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]}
+            if warmup and warmup[0].isdigit():  # priced with the warm-up the row runs
+                given["warmup"] = [int(x) for x in warmup.split(",")]
             src = self.work / f"given-{tag}.json"
             src.write_text(json.dumps(given))
             cmd = [sys.executable, "-m", "partitioner.cli", "--evaluate", str(src), *common]
@@ -261,7 +263,7 @@ class Bench:
 
     def pf(self, schedule: str, mb: int, m: int, split: str, big: bool = False, sub: bool = False,
            mem_gib: float | None = None, sizes: str | None = None, trace: bool = False, cal: bool = False,
-           timing: str = "default") -> None:
+           timing: str = "default", warmup: str | None = None, straight: bool = False) -> None:
         """A pipeflow-train row. With `sizes` (a gb row) the profile holds those microbatch sizes and
         pipeflow-plan --global-batch picks b, m and the split; mb and m are then what it picked."""
         cfg = self.big if big else self.gpt
@@ -271,14 +273,16 @@ class Bench:
         shape = f"gb{sizes.replace(',', '_')}" if sizes else f"{mb}x{m}"
         tag = (f"{'big-' if big else ''}{'sub-' if sub else ''}{schedule}-{shape}-{split.replace(',', '_')}"
                + (f"-mem{mem_gib:g}" if mem_gib is not None else "") + (f"-{timing}" if timing != "default" else "")
+               + (f"-warmup{warmup.replace(',', '_')}" if warmup else "") + ("-straight" if straight else "")
                + ("-trace" if trace else ""))
         name = f"pipeflow {schedule}" + (" (large model)" if big else "") + (", sublayers" if sub else "")
-        flags = ["--schedule", schedule]
+        flags = ["--schedule", schedule] + (["--warmup", warmup] if warmup else [])
         predicted, calibrated, shown, path, prof = None, None, split, None, None
         if split != "spot":
             kind = ("big" if big else "gpt") + ("-sub" if sub else "")
             prof = self.profile(cfg, mb, kind, sizes=sizes, timing=timing)
-            path, shown = (self.plan(prof, schedule, m, split, tag, mem_gib=mem_gib, global_batch=sizes is not None)
+            path, shown = (self.plan(prof, schedule, m, split, tag, mem_gib=mem_gib, global_batch=sizes is not None,
+                                     warmup=warmup, straight=straight)
                            if prof else (None, "no profile"))
             if path is None:
                 if split == "plan":
@@ -321,6 +325,10 @@ class Bench:
             how += f" under {mem_gib:g} GiB"
         if timing != "default":
             how += f", profiled --timing {timing}"
+        if warmup:
+            how += f", --warmup {warmup}"
+        if straight:
+            how += ", --straight"
         if trace:
             how += ", --trace" + (" (calibrates the later rows)" if cal else "")
         self.add(name, how + (f" {shown}" if shown != split else "") + note, self.n, rc, out, cfg,
@@ -385,15 +393,18 @@ class Bench:
                 elif w[0] in ("pf", "big"):
                     extra = w[5:]
                     mem = [float(x[4:]) for x in extra if x.startswith("mem=")]
-                    bad = [x for x in extra if x not in ("sub", "trace", "cal", *TIMED) and not x.startswith("mem=")]
-                    if (bad or (mem and w[4] != "plan") or (w[4] == "spot" and {"cal", *TIMED} & set(extra))
-                            or len(set(TIMED) & set(extra)) > 1):
-                        raise ValueError(f"after the split a {w[0]} row takes 'sub', 'trace', 'cal' and one of "
-                                         f"{', '.join(TIMED)} (not with 'spot') and, with 'plan', 'mem=GIB'; found "
-                                         f"{' '.join(extra)!r}")
+                    warm = [x[7:] for x in extra if x.startswith("warmup=")]
+                    bad = [x for x in extra if x not in ("sub", "trace", "cal", "straight", *TIMED)
+                           and not x.startswith(("mem=", "warmup="))]
+                    if (bad or ((mem or "straight" in extra) and w[4] != "plan")
+                            or (w[4] == "spot" and {"cal", *TIMED} & set(extra))
+                            or len(set(TIMED) & set(extra)) > 1 or len(warm) > 1):
+                        raise ValueError(f"after the split a {w[0]} row takes 'sub', 'trace', 'cal', one of "
+                                         f"{', '.join(TIMED)} (not with 'spot'), 'warmup=W' and, with 'plan', "
+                                         f"'mem=GIB' and 'straight'; found {' '.join(extra)!r}")
                     self.pf(w[1], int(w[2]), int(w[3]), w[4], big=w[0] == "big", sub="sub" in extra,
                             mem_gib=mem[0] if mem else None, trace="trace" in extra, cal="cal" in extra,
-                            timing=_timing(extra))
+                            timing=_timing(extra), warmup=warm[0] if warm else None, straight="straight" in extra)
                 elif w[0] == "gb":
                     extra = w[3:]
                     mem = [float(x[4:]) for x in extra if x.startswith("mem=")]
