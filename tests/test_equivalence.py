@@ -56,3 +56,23 @@ def test_1f1b_with_deeper_warmup_equals_single_process(mpi: MpiRun):
                            lr=0.05)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-11)
+
+
+def plan_warmup(d: Path) -> Case:
+    """A plan.json naming a warm-up deeper than DAPPLE's minimum (3, 2, 1, 0), as pipeflow-plan writes one."""
+    plan = {"format": "pipeflow.plan/1", "schedule": "1f1b", "microbatches": M, "workers": 4, "warmup": [4, 3, 2, 0],
+            "stages": [{"layers": [k, k + 1], "replicas": 1, "ranks": [k]} for k in range(4)]}
+    (d / "plan.json").write_text(json.dumps(plan))
+    return Case(4, ["--model", "gpt", "--model-args", json.dumps(MODELS["gpt"]), "--plan", str(d / "plan.json"),
+                    "--steps", str(STEPS), "--microbatch-size", str(B), "--optimizer", "sgd", "--lr", "0.05",
+                    "--dtype", "float64", "--device", "cpu", "--save", str(d / "model.pt")], env={"PIPEFLOW_LOG": "INFO"})
+
+
+@batched(plan_warmup)
+def test_1f1b_runs_the_plans_warm_up_and_equals_single_process(mpi: MpiRun):
+    assert "1f1b warm-up: 4, 3, 2, 0 forwards before the first backward per stage (the plan's)" in mpi.proc.stderr
+    got = torch.load(mpi.dir / "model.pt", weights_only=True)
+    want = reference_flush("gpt", MODELS["gpt"], steps=STEPS, microbatches=M, microbatch_size=B, optimizer="sgd",
+                           lr=0.05)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-11)
