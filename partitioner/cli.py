@@ -23,7 +23,7 @@ from partitioner.profile import Profile, ProfileError
 from partitioner.service import Planned, evaluate_plan
 from partitioner.topology import TopologyError, format_bytes
 from pipeflow.kinds import DEFAULT_VIRTUAL_STAGES, schedule_kind
-from pipeflow.warmup import warmup_forwards
+from pipeflow.warmup import least_warmups
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -57,7 +57,7 @@ def table(p: Planned) -> str:
                  f"({p.plan.extra['planner']['topology']}): step {pr['step_ms']:.3f} ms, "
                  f"{pr['samples_per_s']:.1f} samples/s, bubble {100 * pr['bubble_fraction']:.1f}%")
     if p.plan.warmup is not None:
-        least = [warmup_forwards(p.plan.replicas, s) for s in range(len(p.plan.stages))]
+        least = least_warmups(p.plan.replicas)
         lines.append(f"warm-up: {', '.join(map(str, p.plan.warmup))} forwards before the first backward per stage "
                      f"(the schedule's minimum: {', '.join(map(str, least))}; the extra ones hide the round trips)")
     return "\n".join(lines)

@@ -11,7 +11,7 @@ from partitioner.simulate import SimResult, StageCost, simulate
 from partitioner.topology import Topology
 from pipeflow.actions import ScheduleError
 from pipeflow.kinds import schedule_kind
-from pipeflow.warmup import warmup_forwards
+from pipeflow.warmup import least_warmups
 
 # tune_warmup keeps an extra warm-up forward per stage only where the simulated step shrinks by this share:
 # each costs a microbatch's activations on every stage but the last.
@@ -103,14 +103,14 @@ def tune_warmup(lay: LayerCosts, topology: Topology, schedule: str, microbatches
     S = len(ranges)
     if not schedule_kind(schedule).warmup_applies or S < 2:
         return Priced(costs, sim)
-    least = [warmup_forwards(reps, s) for s in range(S)]
+    least = least_warmups(reps)
     best: list[int] | None = None
     for extra in range(1, microbatches):
         counts = [w + (extra if s < S - 1 else 0) for s, w in enumerate(least)]  # past m: no change, no gain
         try:
             c2, s2 = price(lay, topology, schedule, microbatches, ranges, ranks, optimizer=optimizer,
                            keep_timeline=keep_timeline, warmup=counts)
-        except ScheduleError:  # counts the order cannot run (none seen: they stay non-increasing downstream)
+        except ScheduleError:  # counts whose order deadlocks (the replay detects it): keep the last that ran
             break
         fits = memory_per_worker is None or max(s2.peak_memory_bytes) <= memory_per_worker
         if not fits or s2.step_ms > sim.step_ms * (1 - WARMUP_GAIN):

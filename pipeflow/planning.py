@@ -176,12 +176,13 @@ def spot_memory(args: TrainConfig, device: str, local_ranks: int) -> tuple[str |
 
 def resolve_warmup(text: str, plan: Plan) -> list[int] | None:
     """--warmup as per-stage counts, or None for the plan's (pipeflow-plan's choice, else DAPPLE's minimum)."""
-    from pipeflow.schedule import fill_warmup, warmup_forwards
+    from pipeflow.schedule import fill_warmup
+    from pipeflow.warmup import least_warmups
 
     if text == "plan":
         return None
     if text == "min":
-        return [warmup_forwards(plan.replicas, s) for s in range(len(plan.stages))] if plan.warmup else None
+        return least_warmups(plan.replicas) if plan.warmup else None
     if not schedule_kind(plan.schedule).warmup_applies:
         raise UsageError(f"--warmup {text} applies to --schedule 1f1b only, found {plan.schedule}")
     if text == "fill":

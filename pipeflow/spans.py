@@ -58,9 +58,8 @@ class SpanTimer:
         """Time zero is now (call right after a barrier) and `step` comes next; drops anything recorded."""
         if self.cuda:
             torch.cuda.synchronize()  # once, at start: the zero event then runs when the host says
-        self.t0 = time.perf_counter()
-        if self.cuda:
             self._stream = torch.cuda.current_stream()
+        self.t0 = time.perf_counter()
         self.ref = self._now()
         self._spans.clear()
         self._steps.clear()

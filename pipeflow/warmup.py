@@ -14,6 +14,11 @@ def warmup_forwards(replicas: Sequence[int], stage: int) -> int:
     return max(0, math.ceil(sum(replicas[stage:]) / replicas[stage]) - 1)
 
 
+def least_warmups(replicas: Sequence[int]) -> list[int]:
+    """warmup_forwards of every stage: the schedule's own (DAPPLE's minimum), which pipeflow-plan may deepen."""
+    return [warmup_forwards(replicas, s) for s in range(len(replicas))]
+
+
 def fill_warmup(replicas: Sequence[int], stage: int, *, backward_ratio: float = 2.0) -> int:
     """Forwards that keep a stage busy until its first gradient returns, for stages of equal cost with
     backward = `backward_ratio` x forward: the round trip to the last stage and back takes

@@ -65,7 +65,8 @@ def plan_warmup(d: Path) -> Case:
     (d / "plan.json").write_text(json.dumps(plan))
     return Case(4, ["--model", "gpt", "--model-args", json.dumps(MODELS["gpt"]), "--plan", str(d / "plan.json"),
                     "--steps", str(STEPS), "--microbatch-size", str(B), "--optimizer", "sgd", "--lr", "0.05",
-                    "--dtype", "float64", "--device", "cpu", "--save", str(d / "model.pt")], env={"PIPEFLOW_LOG": "INFO"})
+                    "--dtype", "float64", "--device", "cpu", "--save", str(d / "model.pt")],
+                env={"PIPEFLOW_LOG": "INFO"})
 
 
 @batched(plan_warmup)

@@ -26,28 +26,28 @@ def two_stage_profile(device: str = "cuda") -> Profile:
                                                     LayerProfile("b", 2.0, 1.0, 1000, 10**6, 1000)])
 
 
-def plan_cli(tmp_path: Path, *flags: str, device: str = "cuda") -> tuple[dict, str]:
+def plan_cli(tmp_path: Path, *flags: str, device: str = "cuda") -> dict:
     src, out = tmp_path / "profile.json", tmp_path / "plan.json"
     two_stage_profile(device).save(src)
     assert main([str(src), "--workers", "2", "--topology", "2x1GB/s", "--schedule", "1f1b", "--microbatches", "4",
                  *flags, "-o", str(out)]) == 0
-    return json.loads(out.read_text()), str(out)
+    return json.loads(out.read_text())
 
 
 def test_the_planner_deepens_the_warm_up_where_the_simulation_gains(tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    plan, _ = plan_cli(tmp_path, "--straight")
+    plan = plan_cli(tmp_path, "--straight")
     assert plan["warmup"] == [2, 0]
     assert plan["predicted"]["step_ms"] == pytest.approx(16.002)  # stage 0 never idles: 4 x (2 + 2) ms
     assert plan["predicted"]["peak_memory_bytes"][0] == 3 * 10**6 + 4000  # three microbatches in flight
     assert "warm-up: 2, 0 forwards before the first backward per stage (the schedule's minimum: 1, 0;" in \
         capsys.readouterr().out
     # Not where the memory does not allow it: two in flight fit 2.5 MB, three do not.
-    plan, _ = plan_cli(tmp_path, "--straight", "--memory-per-worker", "2.5MB")
+    plan = plan_cli(tmp_path, "--straight", "--memory-per-worker", "2.5MB")
     assert "warmup" not in plan
     assert plan["predicted"]["step_ms"] == pytest.approx(18.004)
     # Not on CPU, where ranks sharing cores send with their own CPU time (no gain measured on the CI machine).
-    plan, _ = plan_cli(tmp_path, "--straight", device="cpu")
+    plan = plan_cli(tmp_path, "--straight", device="cpu")
     assert "warmup" not in plan
     assert plan["predicted"]["step_ms"] == pytest.approx(18.004)
 
