@@ -166,9 +166,11 @@ class Pipeline:
         return dict(sorted(full.items(), key=lambda kv: int(kv[0].partition(".")[0])))
 
     def close(self) -> None:
-        """Tear down the process groups (NCCL may hang at exit when they are left to the destructor)."""
+        """Free the copy-engine channels' memory and tear down the process groups (NCCL may hang at exit when
+        they are left to the destructor)."""
         from pipeflow.comm import shutdown
 
+        self.engine.p2p.close()
         shutdown()
 
     def __enter__(self) -> Pipeline:

@@ -5,7 +5,6 @@ import logging
 import os
 import pickle
 import socket
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -15,6 +14,8 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
 from pipeflow.bufpool import BufferPool
+from pipeflow.celink import CopyEngines, p2p_transport
+from pipeflow.celink import setup as setup_copy_engines
 from pipeflow.control import META_TAG  # the shape/dtype messages; MPI keeps one (source, tag)'s in order
 from pipeflow.cudaenv import eager_cuda_modules
 from pipeflow.hostmem import keep_freed_host_memory
@@ -123,30 +124,12 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def p2p_max_ctas(environ: Mapping[str, str] = os.environ) -> int:
-    """PIPEFLOW_P2P_MAX_CTAS as an integer >= 0 (0: NCCL's own choice); default 4."""
-    text = environ.get("PIPEFLOW_P2P_MAX_CTAS", "4")
-    try:
-        ctas = int(text)
-    except ValueError:
-        ctas = -1
-    if ctas < 0:
-        raise ValueError(f"PIPEFLOW_P2P_MAX_CTAS must be an integer >= 0 (CTAs per NCCL point-to-point channel; "
-                         f"0: NCCL's choice), found {text!r}")
-    return ctas
-
-
-def p2p_group_options(backend: str) -> Any:
-    """NCCL options for the point-to-point channels: a posted receive occupies its CTAs on the GPU
-    until the peer's send arrives, so each channel gets few (PIPEFLOW_P2P_MAX_CTAS, default 4) to
-    leave the SMs to compute; a high-priority stream lets transfers jump the compute queue."""
-    if backend != "nccl":
-        return None
+def nccl_p2p_options(max_ctas: int) -> Any:
+    """NCCL options of a point-to-point group: a high-priority stream, at most `max_ctas` CTAs (0: NCCL's)."""
     opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-    ctas = p2p_max_ctas()
-    if ctas > 0:
-        opts.config.max_ctas = ctas
-        opts.config.min_ctas = min(opts.config.min_ctas, ctas) if opts.config.min_ctas > 0 else 1
+    if max_ctas > 0:
+        opts.config.max_ctas = max_ctas
+        opts.config.min_ctas = min(opts.config.min_ctas, max_ctas) if opts.config.min_ctas > 0 else 1
     return opts
 
 
@@ -188,6 +171,7 @@ class P2P:
         self.peak_pending = 0        # most sends held at once, and the most bytes they held
         self.peak_pending_bytes = 0
         self.pool = BufferPool(world.device)  # receive buffers, back after their microbatch's backward
+        self.ce: CopyEngines | None = None  # the channels on the copy engines (set up in warm_up)
 
     def set_window(self, window: int) -> None:
         """Sends to keep before waiting for the oldest (Engine._send_window: what the schedule keeps in
@@ -222,9 +206,10 @@ class P2P:
                     f"rank {self.world.rank}: outputs sent to rank {dst} changed from {cached} to {meta} for "
                     f"inputs of the same shape {signature}; the tensors between stages must be a function of "
                     "the input shapes")
-        group = self._group(self.world.rank, dst, direction)
+        key = (self.world.rank, dst, direction)
+        group = self._group(*key)
         bufs = [t.detach().contiguous() for t in tensors]
-        works = _batched(dist.isend, bufs, dst, group)
+        works = [self.ce.send(key, bufs)] if self.ce and self.ce.has(key) else _batched(dist.isend, bufs, dst, group)
         self._reap()
         self.pending_sends.append((works, sum(b.numel() * b.element_size() for b in bufs)))
         if self.window is not None:
@@ -244,9 +229,12 @@ class P2P:
             if key not in self.meta_cache:
                 self.meta_cache[key] = pickle.loads(self.world.mpi.recv(source=src, tag=META_TAG))
             meta = self.meta_cache[key]
-        group = self._group(src, self.world.rank, direction)
+        key = (src, self.world.rank, direction)
+        group = self._group(*key)
         self._reap()
         bufs = [self.pool.take(shape, dtype) for shape, dtype, _ in meta]
+        if self.ce and self.ce.has(key):
+            return bufs, [self.ce.recv(key, bufs)]
         return bufs, _batched(dist.irecv, bufs, src, group)
 
     def release(self, bufs: list[torch.Tensor], keep: list[torch.Tensor] | None = None) -> None:
@@ -254,13 +242,17 @@ class P2P:
         self.pool.release(bufs, keep)
 
     def warm_up(self) -> None:
-        """Open every channel once, in the order all ranks created them: NCCL creates a communicator
-        at its first use and blocks the host until the peer joins, which must not happen mid-schedule.
-        Each pair finishes its exchange before either side moves on, so this cannot deadlock."""
+        """Set up the copy-engine channels (celink, PIPEFLOW_P2P), then open every NCCL channel once, in the
+        order all ranks created them: NCCL creates a communicator at its first use and blocks the host until the
+        peer joins, which must not happen mid-schedule. Each pair finishes its exchange before either side moves
+        on, so this cannot deadlock."""
         if self.world.size == 1:
             return
+        self.ce = setup_copy_engines(self.world, list(self.groups), p2p_transport())
         probe = torch.zeros(1, device=self.world.device)
-        for (src, dst, _), group in self.groups.items():
+        for (src, dst, d), group in self.groups.items():
+            if self.ce and self.ce.has((src, dst, d)):
+                continue
             if self.world.rank == src:
                 works = _batched(dist.isend, [probe], dst, group)
             elif self.world.rank == dst:
@@ -271,6 +263,16 @@ class P2P:
                 w.wait()
             if self.world.device.type == "cuda":
                 torch.cuda.synchronize(self.world.device)
+
+    def ring_bytes(self) -> int:
+        """Device memory the copy-engine channels hold outside torch's allocator (celink)."""
+        return self.ce.ring_bytes if self.ce else 0
+
+    def close(self) -> None:
+        """Free the copy-engine channels' memory (every rank, once its last transfer is done)."""
+        if self.ce:
+            self.ce.close()
+            self.ce = None
 
     def expect_meta(self, src: int, signature: Any) -> list[TensorMeta]:
         key = (src, self.world.rank, signature)

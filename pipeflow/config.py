@@ -59,16 +59,27 @@ def check_device(device: str) -> None:
 
 def check_environment(environ: Mapping[str, str]) -> None:
     """The PIPEFLOW_* knobs of the README: checked on every run, not only where they are used."""
-    from pipeflow.comm import p2p_max_ctas
+    from pipeflow.celink import p2p_transport
+    from pipeflow.links import p2p_max_ctas
 
     log_level(environ.get("PIPEFLOW_LOG"))
     try:
         p2p_max_ctas(environ)
+        p2p_transport(environ)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     text = environ.get("PIPEFLOW_STACK_DUMP_S")
     if text and stack_dump_seconds(environ) is None:
         raise ConfigError(f"PIPEFLOW_STACK_DUMP_S must be a number of seconds > 0, found {text!r}")
+
+
+def check_transport(device: str, environ: Mapping[str, str]) -> None:
+    """PIPEFLOW_P2P=ce asks for the GPUs' copy engines: refused at once where the ranks run on CPUs."""
+    import torch
+
+    if environ.get("PIPEFLOW_P2P") == "ce" and (device == "cpu" or not torch.cuda.is_available()):
+        raise ConfigError(f"PIPEFLOW_P2P=ce moves tensors on the GPUs' copy engines, but the ranks run on the CPU "
+                          f"(--device {device}); use PIPEFLOW_P2P=auto or nccl")
 
 
 def stack_dump_seconds(environ: Mapping[str, str]) -> float | None:
@@ -158,6 +169,7 @@ class TrainConfig:
         PIPEFLOW_* knobs of `environ` are checked too."""
         config = cls(**flags)
         check_environment(environ)
+        check_transport(config.device, environ)
         return config
 
     def as_dict(self) -> dict[str, Any]:

@@ -4,6 +4,8 @@ first under interleaved plans), a group per replicated rank group, and one per r
 parameter (Megatron's embedding group)."""
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +13,7 @@ import torch
 
 from partitioner.plan import Plan
 from pipeflow.actions import Action, Kind, Schedule
-from pipeflow.comm import World, new_group, new_groups, p2p_group_options
+from pipeflow.comm import World, nccl_p2p_options, new_group, new_groups
 from pipeflow.kinds import ScheduleKind
 from pipeflow.reduce import GradReducer, Tie
 from pipeflow.stage import Stage
@@ -131,3 +133,25 @@ def make_reducers(stages: dict[int, Stage], ties: list[Tie], links: Links, ranks
     return tie_reducers, {k: GradReducer([p for p in c.parameters() if id(p) not in tied], group,
                                          average=kind.mean_over_replicas, overlap=len(chunks) == 1)
                           for k, c in stages.items()}
+
+
+def p2p_max_ctas(environ: Mapping[str, str] = os.environ) -> int:
+    """PIPEFLOW_P2P_MAX_CTAS as an integer >= 0 (0: NCCL's own choice); default 4."""
+    text = environ.get("PIPEFLOW_P2P_MAX_CTAS", "4")
+    try:
+        ctas = int(text)
+    except ValueError:
+        ctas = -1
+    if ctas < 0:
+        raise ValueError(f"PIPEFLOW_P2P_MAX_CTAS must be an integer >= 0 (CTAs per NCCL point-to-point channel; "
+                         f"0: NCCL's choice), found {text!r}")
+    return ctas
+
+
+def p2p_group_options(backend: str) -> Any:
+    """NCCL options for the point-to-point channels: a posted receive occupies its CTAs on the GPU
+    until the peer's send arrives, so each channel gets few (PIPEFLOW_P2P_MAX_CTAS, default 4) to
+    leave the SMs to compute; a high-priority stream lets transfers jump the compute queue."""
+    if backend != "nccl":
+        return None
+    return nccl_p2p_options(p2p_max_ctas())

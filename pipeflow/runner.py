@@ -123,11 +123,13 @@ def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Control) -> int:
             tok += f", MFU {100 * utilisation:.1f}% per GPU ({peak:g} TFLOP/s peak)"
         log.info("steady state (steps %d-%d): %.1f samples/s%s", first_report[0] + 1, args.steps, rate, tok)
     if world.device.type == "cuda":
-        peaks = comm.gather(torch.cuda.max_memory_allocated(world.device))
+        # with the copy-engine rings (celink), which torch's allocator does not see
+        peaks = comm.gather(torch.cuda.max_memory_allocated(world.device) + engine.p2p.ring_bytes())
         if peaks is not None:
             log.info("peak GPU memory per rank (GiB): %s", [round(p / 2**30, 2) for p in peaks])
     save_error = save_model(pipe, args.save, comm, args.checkpoint_dir) if args.save else None
     comm.barrier()
+    engine.p2p.close()
     # NCCL may hang at interpreter exit when its process group is left for the destructor.
     shutdown()
     if save_error:

@@ -16,6 +16,8 @@ Rows (';'-separated), every one at --sequences per optimizer step (default 64):
                                     separate layers, so the plan may cut inside a block)
     ... plan mem=GIB                pf/big/gb rows: pipeflow-plan under --memory-per-worker GIB GiB (e.g. torch's
                                     peak, for "as fast at no more memory") instead of 90% of the card's memory
+    ... p2p=nccl|ce|auto            pf/big rows: PIPEFLOW_P2P for the row (how stages send: NCCL kernels or the
+                                    GPUs' copy engines; default auto, the copy engines where GPUs are peers)
     ... trace                       pf/big rows: pipeflow-train --trace, then per rank the ms per step in each
                                     kind of span (F, B, W, STEP, SEND, WAIT) and idle, from the trace
     ... idle|kernels|stage          pf/big/gb rows: profiled with pipeflow-profile --timing idle (each call from
@@ -59,6 +61,7 @@ GPT = {"layers": 24, "d_model": 2048, "heads": 16, "seq_len": 1024, "vocab": 320
 # (benchmarks/gpu/README.md, "The large model", for the memory arithmetic).
 BIG = {"layers": 50, "d_model": 4096, "heads": 32, "seq_len": 1024, "vocab": 32000, "dataset": "synthetic"}
 TINY = {"layers": 4, "d_model": 32, "heads": 2, "seq_len": 16, "vocab": 256, "dataset": "synthetic"}
+P2P_WORDS = ("p2p=auto", "p2p=nccl", "p2p=ce")  # a pf/big row's PIPEFLOW_P2P
 TIMED = ("idle", "kernels", "stage")  # a pf/big/gb row's word for pipeflow-profile --timing (else its default)
 
 
@@ -122,10 +125,11 @@ class Bench:
         return next((half for key, half, _ in PEAK_TFLOPS if key in name), None), name
 
     # ------------------------------------------------------------ running
-    def sh(self, cmd: list[str], log: Path) -> tuple[int, str]:
+    def sh(self, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
         t0 = time.time()
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=self.a.timeout)
+            proc = subprocess.run(cmd, cwd=ROOT, env={**self.env, **(env or {})}, capture_output=True, text=True,
+                                  timeout=self.a.timeout)
             out, rc = proc.stdout + proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as e:
             out, rc = f"{e.stdout or ''}{e.stderr or ''}\nTIMEOUT after {self.a.timeout} s", 124
@@ -263,7 +267,8 @@ class Bench:
 
     def pf(self, schedule: str, mb: int, m: int, split: str, big: bool = False, sub: bool = False,
            mem_gib: float | None = None, sizes: str | None = None, trace: bool = False, cal: bool = False,
-           timing: str = "default", warmup: str | None = None, straight: bool = False) -> None:
+           timing: str = "default", warmup: str | None = None, straight: bool = False,
+           p2p: str | None = None) -> None:
         """A pipeflow-train row. With `sizes` (a gb row) the profile holds those microbatch sizes and
         pipeflow-plan --global-batch picks b, m and the split; mb and m are then what it picked."""
         cfg = self.big if big else self.gpt
@@ -274,7 +279,7 @@ class Bench:
         tag = (f"{'big-' if big else ''}{'sub-' if sub else ''}{schedule}-{shape}-{split.replace(',', '_')}"
                + (f"-mem{mem_gib:g}" if mem_gib is not None else "") + (f"-{timing}" if timing != "default" else "")
                + (f"-warmup{warmup.replace(',', '_')}" if warmup else "") + ("-straight" if straight else "")
-               + ("-trace" if trace else ""))
+               + (f"-{p2p}" if p2p else "") + ("-trace" if trace else ""))
         name = f"pipeflow {schedule}" + (" (large model)" if big else "") + (", sublayers" if sub else "")
         flags = ["--schedule", schedule] + (["--warmup", warmup] if warmup else [])
         predicted, calibrated, shown, path, prof = None, None, split, None, None
@@ -308,7 +313,7 @@ class Bench:
         if trace:
             trace_path.unlink(missing_ok=True)  # never an earlier call's (--work shared)
             cmd += ["--trace", str(trace_path)]
-        rc, out = self.sh(cmd, self.work / f"pf-{tag}.log")
+        rc, out = self.sh(cmd, self.work / f"pf-{tag}.log", {"PIPEFLOW_P2P": p2p} if p2p else None)
         if trace and rc == 0 and trace_path.exists():
             for line in breakdown(json.loads(trace_path.read_text()), skip=max(1, self.a.steps // 3)):
                 print(f"BREAKDOWN {tag} {line}", flush=True)
@@ -329,6 +334,8 @@ class Bench:
             how += f", --warmup {warmup}"
         if straight:
             how += ", --straight"
+        if p2p:
+            how += f", PIPEFLOW_P2P={p2p}"
         if trace:
             how += ", --trace" + (" (calibrates the later rows)" if cal else "")
         self.add(name, how + (f" {shown}" if shown != split else "") + note, self.n, rc, out, cfg,
@@ -394,17 +401,20 @@ class Bench:
                     extra = w[5:]
                     mem = [float(x[4:]) for x in extra if x.startswith("mem=")]
                     warm = [x[7:] for x in extra if x.startswith("warmup=")]
+                    p2p = [x[4:] for x in extra if x.startswith("p2p=")]
                     bad = [x for x in extra if x not in ("sub", "trace", "cal", "straight", *TIMED)
-                           and not x.startswith(("mem=", "warmup="))]
+                           and not x.startswith(("mem=", "warmup=")) and x not in P2P_WORDS]
                     if (bad or ((mem or "straight" in extra) and w[4] != "plan")
                             or (w[4] == "spot" and {"cal", *TIMED} & set(extra))
-                            or len(set(TIMED) & set(extra)) > 1 or len(warm) > 1):
+                            or len(set(TIMED) & set(extra)) > 1 or len(warm) > 1 or len(p2p) > 1):
                         raise ValueError(f"after the split a {w[0]} row takes 'sub', 'trace', 'cal', one of "
-                                         f"{', '.join(TIMED)} (not with 'spot'), 'warmup=W' and, with 'plan', "
-                                         f"'mem=GIB' and 'straight'; found {' '.join(extra)!r}")
+                                         f"{', '.join(TIMED)} (not with 'spot'), 'warmup=W', one of "
+                                         f"{', '.join(P2P_WORDS)} and, with 'plan', 'mem=GIB' and 'straight'; "
+                                         f"found {' '.join(extra)!r}")
                     self.pf(w[1], int(w[2]), int(w[3]), w[4], big=w[0] == "big", sub="sub" in extra,
                             mem_gib=mem[0] if mem else None, trace="trace" in extra, cal="cal" in extra,
-                            timing=_timing(extra), warmup=warm[0] if warm else None, straight="straight" in extra)
+                            timing=_timing(extra), warmup=warm[0] if warm else None, straight="straight" in extra,
+                            p2p=p2p[0] if p2p else None)
                 elif w[0] == "gb":
                     extra = w[3:]
                     mem = [float(x[4:]) for x in extra if x.startswith("mem=")]

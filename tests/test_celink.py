@@ -1,0 +1,243 @@
+"""The copy-engine channel's protocol (pipeflow/celink.py) replayed in one process on a fake GPU: streams are
+queues of operations, a scheduler runs whichever stream's next operation may run (a flag wait once its flag is
+reached, an event wait once the event's record ran), "device memory" is host memory and copies are memmoves.
+What is checked is what the real GPUs rely on: every message arrives intact in order whatever the host order of
+sends and receives, the sender never overwrites a slot the receiver has not pulled, rings grow with the
+messages, and a receive posted before its ring is known waits for its use."""
+from __future__ import annotations
+
+import ctypes
+import random
+import types
+from typing import Any
+
+import pytest
+import torch
+
+from pipeflow import celink, config
+
+
+class Op:
+    def __init__(self, ready: Any, do: Any = None) -> None:
+        self.ready, self.do = ready, do
+
+
+class FakeGPU:
+    def __init__(self, seed: int) -> None:
+        self.streams: dict[int, FakeStream] = {}
+        self.current: FakeStream | None = None
+        self.memory: list[Any] = []
+        self.rng = random.Random(seed)
+
+    def run(self) -> bool:
+        """Run operations one at a time, each from a stream drawn at random among those whose next one may run
+        (the streams' relative speeds are arbitrary); True when no stream has any left."""
+        while True:
+            ready = [s for s in self.streams.values() if s.ops and s.ops[0].ready()]
+            if not ready:
+                return not any(s.ops for s in self.streams.values())
+            op = self.rng.choice(ready).ops.pop(0)
+            if op.do:
+                op.do()
+
+
+class FakeStream:
+    def __init__(self, gpu: FakeGPU) -> None:
+        self.gpu, self.ops = gpu, []
+        self.cuda_stream = len(gpu.streams) + 1
+        gpu.streams[self.cuda_stream] = self
+
+    def wait_event(self, ev: FakeEvent) -> None:
+        mark = ev.latest
+        self.ops.append(Op(lambda: mark is None or mark["done"]))
+
+    def wait_stream(self, other: FakeStream) -> None:
+        ev = FakeEvent()
+        ev.record(other)
+        self.wait_event(ev)
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.latest: dict[str, bool] | None = None
+
+    def record(self, stream: FakeStream) -> None:
+        mark = self.latest = {"done": False}
+        stream.ops.append(Op(lambda: True, lambda: mark.update(done=True)))
+
+    def query(self) -> bool:
+        return self.latest is None or self.latest["done"]
+
+
+def _fakes(gpu: FakeGPU) -> tuple[Any, Any]:
+    def flag(addr: int) -> ctypes.c_uint32:
+        return ctypes.c_uint32.from_address(addr)
+
+    def alloc(nbytes: int, zero: bool = False) -> int:
+        buf = ctypes.create_string_buffer(nbytes)
+        gpu.memory.append(buf)
+        return ctypes.addressof(buf)
+
+    def enqueue(stream: int, op: Op) -> None:
+        gpu.streams[stream].ops.append(op)
+
+    drv = types.SimpleNamespace(
+        alloc=alloc, free=lambda ptr: None, ipc_close=lambda ptr: None,
+        ipc_handle=lambda ptr: ptr.to_bytes(64, "little"), ipc_open=lambda h: int.from_bytes(h, "little"),
+        copy=lambda dst, src, n, st: enqueue(st, Op(lambda: True, lambda: ctypes.memmove(dst, src, n))),
+        wait_at_least=lambda st, addr, v: enqueue(st, Op(lambda: ((flag(addr).value - v) & 0xFFFFFFFF) < 2**31)),
+        write=lambda st, addr, v: enqueue(st, Op(lambda: True, lambda: setattr(flag(addr), "value", v))))
+    cuda = types.SimpleNamespace(Stream=lambda device: FakeStream(gpu), Event=FakeEvent,
+                                 current_stream=lambda: gpu.current, synchronize=lambda: None)
+    return drv, cuda
+
+
+class FakeMPI:
+    def __init__(self, rank: int, boxes: dict[tuple[int, int, int], list[Any]]) -> None:
+        self.rank, self.boxes = rank, boxes
+
+    def send(self, obj: Any, dest: int, tag: int) -> None:
+        self.boxes.setdefault((self.rank, dest, tag), []).append(obj)
+
+    def Iprobe(self, source: int, tag: int) -> bool:
+        return bool(self.boxes.get((source, self.rank, tag)))
+
+    def recv(self, source: int, tag: int) -> Any:
+        box = self.boxes.get((source, self.rank, tag))
+        assert box, f"rank {self.rank} would wait for a message (tag {tag}) that rank {source} never sent"
+        return box.pop(0)
+
+
+KEY = (0, 1, "F")
+
+
+@pytest.fixture(params=range(6))
+def pair(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Any:
+    """A sender (rank 0) and a receiver (rank 1) of channel KEY, each with its compute stream and flags page,
+    on a fake GPU of one of several random orders."""
+    gpu = FakeGPU(request.param)
+    drv, cuda = _fakes(gpu)
+    monkeypatch.setattr(celink, "cudadrv", drv)
+    monkeypatch.setattr(celink, "_cuda", cuda)
+    boxes: dict[tuple[int, int, int], list[Any]] = {}
+    pages = [drv.alloc(256), drv.alloc(256)]
+    sides = []
+    for rank in (0, 1):
+        world = types.SimpleNamespace(rank=rank, mpi=FakeMPI(rank, boxes), device=torch.device("cpu"))
+        compute = FakeStream(gpu)
+        gpu.current = compute
+        mine, theirs = (pages[0] + 4, pages[1]) if rank == 0 else (pages[1], pages[0] + 4)
+        end = celink._End(KEY, world.device, mine, theirs)
+        sides.append((celink.CopyEngines(world, {KEY: end}, []), compute))
+
+    def on(rank: int) -> celink.CopyEngines:
+        gpu.current = sides[rank][1]
+        return sides[rank][0]
+
+    return gpu, on
+
+
+def _message(n: int, size: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    return [torch.randn(size, generator=g), torch.randint(0, 1000, (3, size // 2 + 1), generator=g)]
+
+
+def _empty_like(msg: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.full_like(t, -1) for t in msg]
+
+
+def test_every_message_arrives_in_order_and_rings_grow(pair: Any) -> None:
+    gpu, on = pair
+    sizes = [64, 64, 64, 300, 300, 64, 1000, 8, 8, 8, 1000, 64]  # grows twice; smaller ones reuse the big ring
+    msgs = [_message(n, s) for n, s in enumerate(sizes)]
+    for msg in msgs:  # the sender runs far ahead of the receiver: its stream must wait for the pulls
+        on(0).send(KEY, msg)
+    assert not gpu.run(), "the sender filled more slots than the ring has without waiting for the receiver"
+    got = []
+    for msg in msgs:
+        bufs = _empty_like(msg)
+        work = on(1).recv(KEY, bufs)
+        work.wait()
+        got.append(bufs)
+    assert gpu.run(), "the protocol deadlocked"
+    for msg, bufs in zip(msgs, got, strict=True):
+        for a, b in zip(msg, bufs, strict=True):
+            assert torch.equal(a, b)
+    assert len(on(0).ends[KEY].rings) == 3 and len(on(1).ends[KEY].rings) == 3
+
+
+def test_the_sender_never_overwrites_a_slot_not_pulled(pair: Any) -> None:
+    gpu, on = pair
+    msgs = [_message(n, 100) for n in range(3 * celink.SLOTS)]
+    for msg in msgs:
+        on(0).send(KEY, msg)
+    first = _empty_like(msgs[0])
+    on(1).recv(KEY, first).wait()
+    gpu.run()
+    assert all(torch.equal(a, b) for a, b in zip(msgs[0], first, strict=True))
+    # one pull done: the sender packed at most SLOTS + 1 messages, the rest wait on its stream
+    assert on(0).ends[KEY].stream.ops, "the sender's stream ran past slots the receiver still holds"
+    rest = [_empty_like(m) for m in msgs[1:]]
+    for bufs in rest:
+        on(1).recv(KEY, bufs)
+    assert gpu.run()
+    for msg, bufs in zip(msgs[1:], rest, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(msg, bufs, strict=True))
+
+
+def test_a_receive_posted_before_its_ring_is_known_is_pulled_at_its_use(pair: Any) -> None:
+    gpu, on = pair
+    msgs = [_message(n, 200) for n in range(3)]
+    bufs = [_empty_like(m) for m in msgs]
+    works = [on(1).recv(KEY, b) for b in bufs]  # no ring message yet: deferred, nothing waits on the host
+    assert all(w.event is None for w in works)
+    for msg in msgs:
+        on(0).send(KEY, msg)
+    works[1].wait()  # its use: reads the ring, posts receives 0 and 1 in order
+    assert works[0].event is not None and works[2].event is None
+    works[2].wait()
+    assert gpu.run()
+    for msg, b in zip(msgs, bufs, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(msg, b, strict=True))
+
+
+def test_the_counters_wrap(pair: Any) -> None:
+    gpu, on = pair
+    for side in (0, 1):
+        on(side).ends[KEY].count = 2**32 - 2  # both ends count alike; the flags hold the same wrapped values
+    for addr in (on(0).ends[KEY].mine, on(1).ends[KEY].mine):
+        ctypes.c_uint32.from_address(addr).value = 2**32 - 2
+    msgs = [_message(n, 50) for n in range(2 * celink.SLOTS)]
+    got = [_empty_like(m) for m in msgs]
+    for msg, bufs in zip(msgs, got, strict=True):
+        on(0).send(KEY, msg)
+        on(1).recv(KEY, bufs)
+    assert gpu.run()
+    for msg, bufs in zip(msgs, got, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(msg, bufs, strict=True))
+
+
+def test_p2p_transport_is_checked_with_one_line() -> None:
+    assert celink.p2p_transport({}) == "auto"
+    with pytest.raises(config.ConfigError, match=r"^PIPEFLOW_P2P must be one of auto, nccl, ce, found 'nvlink'$"):
+        config.check_environment({"PIPEFLOW_P2P": "nvlink"})
+
+
+def test_copy_engines_asked_for_on_cpu_is_refused_with_one_line() -> None:
+    with pytest.raises(config.ConfigError, match=r"^PIPEFLOW_P2P=ce moves tensors on the GPUs' copy engines, but the "
+                       r"ranks run on the CPU \(--device cpu\); use PIPEFLOW_P2P=auto or nccl$"):
+        config.check_transport("cpu", {"PIPEFLOW_P2P": "ce"})
+    config.check_transport("cpu", {"PIPEFLOW_P2P": "auto"})  # auto falls back to NCCL / gloo
+
+
+def test_pipeflow_train_refuses_copy_engines_on_cpu_before_any_work() -> None:
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "pipeflow.train", "--model", "mlp", "--steps", "1", "--device", "cpu"],
+                          env={**os.environ, "PIPEFLOW_P2P": "ce"}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "pipeflow-train: error: PIPEFLOW_P2P=ce moves tensors on the GPUs' copy engines, but the ranks run on the "
+        "CPU (--device cpu); use PIPEFLOW_P2P=auto or nccl"]
