@@ -194,6 +194,17 @@ class CopyEngines:
         self.pages = []
 
 
+def usable_channels(keys: list[Key], ranks: list[tuple[str, int, list[int]]]) -> list[Key]:
+    """The channels among `keys` whose two ranks may use the copy engines, from every rank's (host name, local GPU,
+    the local GPUs it can access): one host, and each GPU able to access the other's memory. The same on every rank,
+    which all read the same list."""
+    def able(a: int, b: int) -> bool:
+        (ha, la, pa), (hb, lb, pb) = ranks[a], ranks[b]
+        return ha == hb and lb in pa and la in pb
+
+    return [k for k in keys if able(k[0], k[1])]
+
+
 def setup(world: Any, keys: list[Key], mode: str) -> CopyEngines | None:
     """Collective over all CUDA ranks (MPI): the copy-engine ends of this rank's channels among `keys` (every rank's
     channels, in one order on all ranks), or None where none may use them (mode nccl, CPU, other hosts)."""
@@ -202,13 +213,7 @@ def setup(world: Any, keys: list[Key], mode: str) -> CopyEngines | None:
     me = (socket.gethostname(), world.local_rank,
           [d for d in range(torch.cuda.device_count()) if d == world.local_rank
            or torch.cuda.can_device_access_peer(world.local_rank, d)] if mode != "nccl" else [])
-    everyone = world.mpi.allgather(me)
-
-    def able(a: int, b: int) -> bool:
-        (ha, la, pa), (hb, lb, pb) = everyone[a], everyone[b]
-        return ha == hb and lb in pa and la in pb
-
-    usable = [k for k in keys if able(k[0], k[1])]
+    usable = usable_channels(keys, world.mpi.allgather(me))
     if mode == "ce" and len(usable) < len(keys):
         bad = next(k for k in keys if k not in usable)
         raise RuntimeError(f"PIPEFLOW_P2P=ce: ranks {bad[0]} and {bad[1]} cannot use the copy engines (CUDA GPUs "

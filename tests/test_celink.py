@@ -241,3 +241,15 @@ def test_pipeflow_train_refuses_copy_engines_on_cpu_before_any_work() -> None:
     assert proc.stderr.strip().splitlines() == [
         "pipeflow-train: error: PIPEFLOW_P2P=ce moves tensors on the GPUs' copy engines, but the ranks run on the "
         "CPU (--device cpu); use PIPEFLOW_P2P=auto or nccl"]
+
+
+def test_copy_engines_only_between_peer_gpus_of_one_host() -> None:
+    keys = [(0, 1, "F"), (1, 0, "B"), (1, 2, "F"), (2, 1, "B"), (2, 3, "F"), (3, 2, "B")]
+    ranks = [("a", 0, [0, 1]), ("a", 1, [0, 1]),  # peers
+             ("b", 0, [0]), ("b", 1, [1])]        # one host, but no peer access (e.g. PCIe across sockets)
+    # 1 -> 2 crosses hosts; 2 <-> 3 cannot access each other: NCCL for those
+    assert celink.usable_channels(keys, ranks) == [(0, 1, "F"), (1, 0, "B")]
+    ranks[3] = ("b", 1, [0, 1])  # access one way only is not enough
+    assert celink.usable_channels(keys, ranks) == [(0, 1, "F"), (1, 0, "B")]
+    ranks[2] = ("b", 0, [0, 1])
+    assert celink.usable_channels(keys, ranks) == [(0, 1, "F"), (1, 0, "B"), (2, 3, "F"), (3, 2, "B")]
