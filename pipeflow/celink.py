@@ -23,6 +23,9 @@ import logging
 import os
 import pickle
 import socket
+import threading
+import time
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +33,7 @@ import torch
 
 from pipeflow import cudadrv
 from pipeflow.control import RING_TAGS
+from pipeflow.failure import UsageError
 
 log = logging.getLogger(__name__)
 _cuda: Any = torch.cuda  # streams and events (tests/test_celink.py replays the protocol on fakes)
@@ -105,6 +109,9 @@ class CopyEngines:
     def __init__(self, world: Any, ends: dict[Key, _End], pages: list[int]) -> None:
         self.world, self.ends, self.pages = world, ends, pages
         self.ring_bytes = 0  # this rank's rings (its flags page aside)
+        # receives posted on the GPU, oldest first (posted at, work, sender), for the watchdog's thread (stalled)
+        self.posted: deque[tuple[float, Work, int]] = deque()
+        self.lock = threading.Lock()
 
     def has(self, key: Key) -> bool:
         return key in self.ends
@@ -185,6 +192,26 @@ class CopyEngines:
         ev = _cuda.Event()
         ev.record(st)
         work.event, work.post = ev, None
+        with self.lock:
+            while self.posted and self.posted[0][1].is_completed():
+                self.posted.popleft()
+            self.posted.append((time.monotonic(), work, end.key[0]))
+
+    def stalled(self, timeout_s: float) -> tuple[int, str] | None:
+        """The sender of a receive posted more than `timeout_s` ago that has not arrived, and what to say; None
+        if every older one arrived. NCCL's transfers time out; these wait on the GPU without limit, so the
+        watchdog's thread asks this (a peer that is alive but never sends keeps its heartbeats)."""
+        now = time.monotonic()
+        if self.world.device.type == "cuda":  # this thread's current device, or a query makes a context on GPU 0
+            _cuda.set_device(self.world.device)
+        with self.lock:
+            while self.posted and self.posted[0][1].is_completed():
+                self.posted.popleft()
+            if not self.posted or now - self.posted[0][0] <= timeout_s:
+                return None
+            posted, _, peer = self.posted[0]
+        return peer, (f"a tensor it sends on the copy engines has not arrived after {now - posted:.1f} s "
+                      f"(--timeout {timeout_s:g})")
 
     def close(self) -> None:
         """Unmap the peers' memory and free this rank's (after the device is idle)."""
@@ -194,15 +221,20 @@ class CopyEngines:
         self.pages = []
 
 
-def usable_channels(keys: list[Key], ranks: list[tuple[str, int, list[int]]]) -> list[Key]:
+def usable_channels(keys: list[Key], ranks: list[tuple[str, int, list[int]]], mode: str = "auto") -> list[Key]:
     """The channels among `keys` whose two ranks may use the copy engines, from every rank's (host name, local GPU,
     the local GPUs it can access): one host, and each GPU able to access the other's memory. The same on every rank,
-    which all read the same list."""
+    which all read the same list. Mode ce: all of them, else UsageError naming a pair that cannot."""
     def able(a: int, b: int) -> bool:
         (ha, la, pa), (hb, lb, pb) = ranks[a], ranks[b]
         return ha == hb and lb in pa and la in pb
 
-    return [k for k in keys if able(k[0], k[1])]
+    usable = [k for k in keys if able(k[0], k[1])]
+    bad = [k for k in keys if k not in usable]
+    if mode == "ce" and bad:
+        raise UsageError(f"PIPEFLOW_P2P=ce: ranks {bad[0][0]} and {bad[0][1]} cannot use the copy engines (CUDA GPUs "
+                         "of one host with peer access are needed); use PIPEFLOW_P2P=auto or nccl")
+    return usable
 
 
 def setup(world: Any, keys: list[Key], mode: str) -> CopyEngines | None:
@@ -213,11 +245,7 @@ def setup(world: Any, keys: list[Key], mode: str) -> CopyEngines | None:
     me = (socket.gethostname(), world.local_rank,
           [d for d in range(torch.cuda.device_count()) if d == world.local_rank
            or torch.cuda.can_device_access_peer(world.local_rank, d)] if mode != "nccl" else [])
-    usable = usable_channels(keys, world.mpi.allgather(me))
-    if mode == "ce" and len(usable) < len(keys):
-        bad = next(k for k in keys if k not in usable)
-        raise RuntimeError(f"PIPEFLOW_P2P=ce: ranks {bad[0]} and {bad[1]} cannot use the copy engines (CUDA GPUs "
-                           "of one host with peer access are needed); use PIPEFLOW_P2P=auto or nccl")
+    usable = usable_channels(keys, world.mpi.allgather(me), mode)
     index = {k: i for i, k in enumerate(usable)}
     ranks = {r for k in usable for r in k[:2]}
     page = cudadrv.alloc(max(ALIGN, 8 * len(usable)), zero=True) if world.rank in ranks else 0

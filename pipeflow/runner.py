@@ -17,6 +17,7 @@ from pipeflow.spec import ModelSpec, model_dtype
 if TYPE_CHECKING:
     from pipeflow.api import OptimizerFactory, Pipeline
     from pipeflow.control import Control
+    from pipeflow.watchdog import Watchdog
 
 log = logging.getLogger("pipeflow")
 
@@ -36,7 +37,7 @@ def make_optimizer(args: TrainConfig) -> OptimizerFactory:
     return factory
 
 
-def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Control) -> int:
+def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Control, watchdog: Watchdog | None = None) -> int:
     from pipeflow.api import Pipeline
     from pipeflow.checkpoint import run_info
     from pipeflow.comm import init_world, shutdown
@@ -70,6 +71,9 @@ def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Control) -> int:
                     step_gate=step_guard(args, comm, signals), total_steps=args.steps,
                     segment_steps=args.segment_steps)
     engine = pipe.engine
+    ce = engine.p2p.ce
+    if ce is not None and watchdog is not None:  # transfers on the copy engines time out through the watchdog
+        watchdog.watch(lambda: ce.stalled(args.timeout))
     if pids is not None and engine.warmup is not None:
         how = "the plan's" if args.warmup == "plan" else f"--warmup {args.warmup}"
         log.info("1f1b warm-up: %s forwards before the first backward per stage (%s)",

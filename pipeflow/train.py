@@ -244,7 +244,7 @@ def _main(args: argparse.Namespace, comm: Control, watchdog: Any) -> int:
         log.info("building the %s action lists of %d microbatches on every rank (up to minutes for 10^6)",
                  plan.schedule, list_size)
     try:
-        return run(cfg, spec, plan, comm)
+        return run(cfg, spec, plan, comm, watchdog)
     except StopTraining as e:  # every rank stopped at the same step boundary
         if rank == 0:
             say(f"pipeflow-train: {e}")

@@ -49,10 +49,16 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sends: list[Any] = []
+        self.checks: list[Any] = []  # callables returning (peer, why) when a transfer from it stalled (watch)
         if self.peers and not thread_multiple():
             log.warning("MPI is not initialised with MPI_THREAD_MULTIPLE: dead or stopped ranks are not "
                         "detected on MPI calls (gloo transfers still time out after --timeout)")
             self.peers = []
+
+    def watch(self, check: Any) -> None:
+        """Also call `check()` from the thread at every poll; a (peer, why) it returns ends the job as a silent
+        peer does (the copy-engine transfers, which have no timeout of their own: celink.CopyEngines.stalled)."""
+        self.checks.append(check)
 
     def start(self) -> Watchdog:
         if self.peers:
@@ -110,7 +116,14 @@ class Watchdog:
             if silent:
                 p, age = max(silent, key=lambda x: x[1])
                 self._fail(p, f"no heartbeat for {age:.1f} s (--timeout {self.timeout:g}); it died or is stopped")
+            self._check_transfers()
             self._stop.wait(self.interval / 4)
+
+    def _check_transfers(self) -> None:
+        for check in self.checks:
+            stalled = check()
+            if stalled is not None:
+                self._fail(*stalled)
 
     def _test(self, request: Any) -> bool:
         try:

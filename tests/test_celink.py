@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pipeflow import celink, config
+from pipeflow.failure import UsageError
 
 
 class Op:
@@ -253,3 +254,43 @@ def test_copy_engines_only_between_peer_gpus_of_one_host() -> None:
     assert celink.usable_channels(keys, ranks) == [(0, 1, "F"), (1, 0, "B")]
     ranks[2] = ("b", 0, [0, 1])
     assert celink.usable_channels(keys, ranks) == [(0, 1, "F"), (1, 0, "B"), (2, 3, "F"), (3, 2, "B")]
+    with pytest.raises(UsageError, match=r"^PIPEFLOW_P2P=ce: ranks 1 and 2 cannot use the copy engines \(CUDA GPUs of "
+                       r"one host with peer access are needed\); use PIPEFLOW_P2P=auto or nccl$"):
+        celink.usable_channels(keys, ranks, "ce")
+
+
+def test_a_receive_that_never_arrives_is_reported_after_the_timeout(pair: Any, monkeypatch: pytest.MonkeyPatch
+                                                                     ) -> None:
+    gpu, on = pair
+    clock = [100.0]
+    monkeypatch.setattr(celink.time, "monotonic", lambda: clock[0])
+    on(0).send(KEY, _message(0, 10))  # the ring is known: the second receive is posted on the GPU
+    first = _empty_like(_message(0, 10))
+    on(1).recv(KEY, first).wait()
+    assert gpu.run()
+    bufs = _empty_like(_message(1, 10))
+    on(1).recv(KEY, bufs)  # rank 0 never sends it
+    gpu.run()
+    receiver = on(1)
+    assert receiver.stalled(30.0) is None
+    clock[0] += 31.0
+    assert receiver.stalled(30.0) == (0, "a tensor it sends on the copy engines has not arrived after 31.0 s "
+                                         "(--timeout 30)")
+    on(0).send(KEY, _message(1, 10))
+    assert gpu.run()
+    assert receiver.stalled(30.0) is None
+
+
+def test_the_watchdog_ends_the_job_on_a_stalled_transfer() -> None:
+    from pipeflow.watchdog import Watchdog
+
+    dog = Watchdog.__new__(Watchdog)  # only what watch and the check read: no MPI
+    failed: list[tuple[int, str]] = []
+    dog.checks = []
+    dog._fail = lambda peer, why: failed.append((peer, why))  # type: ignore[method-assign]
+    dog.watch(lambda: None)
+    dog._check_transfers()
+    assert failed == []
+    dog.watch(lambda: (3, "a tensor it sends on the copy engines has not arrived"))
+    dog._check_transfers()
+    assert failed == [(3, "a tensor it sends on the copy engines has not arrived")]
