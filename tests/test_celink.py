@@ -294,3 +294,52 @@ def test_the_watchdog_ends_the_job_on_a_stalled_transfer() -> None:
     dog.watch(lambda: (3, "a tensor it sends on the copy engines has not arrived"))
     dog._check_transfers()
     assert failed == [(3, "a tensor it sends on the copy engines has not arrived")]
+
+
+def test_p2p_hands_the_copy_engine_channels_to_celink_and_the_rest_to_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """comm.P2P: a channel celink set up is neither warmed up nor used through NCCL; the others are, as before."""
+    from types import SimpleNamespace
+
+    import pipeflow.comm as comm
+
+    nccl: list[tuple[Any, tuple[tuple[int, ...], ...]]] = []
+    done = SimpleNamespace(wait=lambda: None, is_completed=lambda: True)
+
+    def batch(ops: list[Any]) -> list[Any]:
+        nccl.append((ops[0].op, tuple(tuple(op.tensor.shape) for op in ops)))
+        return [done]
+
+    class FakeEngines:
+        def __init__(self) -> None:
+            self.sent: list[tuple[Key, int]] = []
+            self.ring_bytes, self.closed = 4096, False
+
+        def has(self, key: Key) -> bool:
+            return key == (0, 1, "F")
+
+        def send(self, key: Key, bufs: list[torch.Tensor]) -> Any:
+            self.sent.append((key, len(bufs)))
+            return done
+
+        def close(self) -> None:
+            self.closed = True
+
+    Key = tuple[int, int, str]
+    engines = FakeEngines()
+    asked: list[tuple[list[Key], str]] = []
+    monkeypatch.setattr(comm.dist, "batch_isend_irecv", batch)
+    monkeypatch.setattr(comm.dist, "P2POp", lambda op, tensor, peer, group: SimpleNamespace(op=op, tensor=tensor))
+    monkeypatch.setattr(comm, "setup_copy_engines", lambda world, keys, mode: asked.append((keys, mode)) or engines)
+    monkeypatch.setenv("PIPEFLOW_P2P", "auto")
+    world = SimpleNamespace(rank=0, size=2, device=torch.device("cpu"), mpi=None)
+    p2p = comm.P2P(world, {(0, 1, "F"): "gF", (1, 0, "B"): "gB"})  # type: ignore[arg-type]
+    p2p.warm_up()
+    assert asked == [([(0, 1, "F"), (1, 0, "B")], "auto")]
+    assert nccl == [(comm.dist.irecv, ((1,),))]  # only the gradient channel is opened through NCCL
+    p2p.send([torch.ones(2), torch.ones(3, 1)], 1, "F")
+    assert engines.sent == [((0, 1, "F"), 2)] and len(nccl) == 1
+    p2p.recv(1, "B", meta=[((2,), torch.float32, False)])
+    assert nccl[-1] == (comm.dist.irecv, ((2,),))
+    assert p2p.ring_bytes() == 4096
+    p2p.close()
+    assert engines.closed and p2p.ce is None and p2p.ring_bytes() == 0
