@@ -20,37 +20,23 @@ the receive's post if the sender has sent it, else at the data's use (as receive
 from __future__ import annotations
 
 import logging
-import os
 import pickle
-import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from pipeflow import cudadrv
 from pipeflow.control import RING_TAGS
-from pipeflow.failure import UsageError
 
 log = logging.getLogger(__name__)
 _cuda: Any = torch.cuda  # streams and events (tests/test_celink.py replays the protocol on fakes)
 
 SLOTS = 4  # messages a channel holds before its sender's stream waits for the receiver's pulls
 ALIGN = 256
-TRANSPORTS = ("auto", "nccl", "ce")
 Key = tuple[int, int, str]  # (sender, receiver, "F" | "B")
-
-
-def p2p_transport(environ: Mapping[str, str] = os.environ) -> str:
-    """PIPEFLOW_P2P: auto (the copy engines where both GPUs of a channel are peers on one host, else NCCL),
-    nccl, or ce (the copy engines, an error where a channel cannot use them). Default auto."""
-    text = environ.get("PIPEFLOW_P2P", "auto")
-    if text not in TRANSPORTS:
-        raise ValueError(f"PIPEFLOW_P2P must be one of {', '.join(TRANSPORTS)}, found {text!r}")
-    return text
 
 
 def layout(sizes: list[int]) -> tuple[list[int], int]:
@@ -219,53 +205,3 @@ class CopyEngines:
         for addr in self.pages:
             (cudadrv.ipc_close if addr < 0 else cudadrv.free)(abs(addr))
         self.pages = []
-
-
-def usable_channels(keys: list[Key], ranks: list[tuple[str, int, list[int]]], mode: str = "auto") -> list[Key]:
-    """The channels among `keys` whose two ranks may use the copy engines, from every rank's (host name, local GPU,
-    the local GPUs it can access): one host, and each GPU able to access the other's memory. The same on every rank,
-    which all read the same list. Mode ce: all of them, else UsageError naming a pair that cannot."""
-    def able(a: int, b: int) -> bool:
-        (ha, la, pa), (hb, lb, pb) = ranks[a], ranks[b]
-        return ha == hb and lb in pa and la in pb
-
-    usable = [k for k in keys if able(k[0], k[1])]
-    bad = [k for k in keys if k not in usable]
-    if mode == "ce" and bad:
-        raise UsageError(f"PIPEFLOW_P2P=ce: ranks {bad[0][0]} and {bad[0][1]} cannot use the copy engines (CUDA GPUs "
-                         "of one host with peer access are needed); use PIPEFLOW_P2P=auto or nccl")
-    return usable
-
-
-def setup(world: Any, keys: list[Key], mode: str) -> CopyEngines | None:
-    """Collective over all CUDA ranks (MPI): the copy-engine ends of this rank's channels among `keys` (every rank's
-    channels, in one order on all ranks), or None where none may use them (mode nccl, CPU, other hosts)."""
-    if world.device.type != "cuda":  # every rank's device is of one type: none calls the collective
-        return None
-    me = (socket.gethostname(), world.local_rank,
-          [d for d in range(torch.cuda.device_count()) if d == world.local_rank
-           or torch.cuda.can_device_access_peer(world.local_rank, d)] if mode != "nccl" else [])
-    usable = usable_channels(keys, world.mpi.allgather(me), mode)
-    index = {k: i for i, k in enumerate(usable)}
-    ranks = {r for k in usable for r in k[:2]}
-    page = cudadrv.alloc(max(ALIGN, 8 * len(usable)), zero=True) if world.rank in ranks else 0
-    handles = world.mpi.allgather(cudadrv.ipc_handle(page) if page else None)
-    if not usable:
-        return None
-    pages, mapped = [page] if page else [], {}
-    ends: dict[Key, _End] = {}
-    for k in usable:
-        if world.rank not in k[:2]:
-            continue
-        peer = k[1] if world.rank == k[0] else k[0]
-        if peer not in mapped:
-            mapped[peer] = cudadrv.ipc_open(handles[peer])
-            pages.append(-mapped[peer])
-        i = index[k]
-        full, empty = 8 * i, 8 * i + 4  # `full` on the receiver's page, `empty` on the sender's
-        if world.rank == k[0]:
-            ends[k] = _End(k, world.device, page + empty, mapped[peer] + full)
-        else:
-            ends[k] = _End(k, world.device, page + full, mapped[peer] + empty)
-    log.info("point-to-point on the copy engines: %d of %d channels", len(usable), len(keys))
-    return CopyEngines(world, ends, pages)

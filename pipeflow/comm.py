@@ -14,8 +14,9 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
 from pipeflow.bufpool import BufferPool
-from pipeflow.celink import CopyEngines, p2p_transport
-from pipeflow.celink import setup as setup_copy_engines
+from pipeflow.celink import CopyEngines
+from pipeflow.cesetup import p2p_transport
+from pipeflow.cesetup import setup as setup_copy_engines
 from pipeflow.control import META_TAG  # the shape/dtype messages; MPI keeps one (source, tag)'s in order
 from pipeflow.cudaenv import eager_cuda_modules
 from pipeflow.hostmem import keep_freed_host_memory

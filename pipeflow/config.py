@@ -59,7 +59,7 @@ def check_device(device: str) -> None:
 
 def check_environment(environ: Mapping[str, str]) -> None:
     """The PIPEFLOW_* knobs of the README: checked on every run, not only where they are used."""
-    from pipeflow.celink import p2p_transport
+    from pipeflow.cesetup import p2p_transport
     from pipeflow.links import p2p_max_ctas
 
     log_level(environ.get("PIPEFLOW_LOG"))

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from pipeflow import celink, config
+from pipeflow import celink, cesetup, config, cudadrv
 from pipeflow.failure import UsageError
 
 
@@ -83,13 +83,13 @@ def _fakes(gpu: FakeGPU) -> tuple[Any, Any]:
         gpu.streams[stream].ops.append(op)
 
     drv = types.SimpleNamespace(
-        alloc=alloc, free=lambda ptr: None, ipc_close=lambda ptr: None,
+        DriverError=cudadrv.DriverError, alloc=alloc, free=lambda ptr: None, ipc_close=lambda ptr: None,
         ipc_handle=lambda ptr: ptr.to_bytes(64, "little"), ipc_open=lambda h: int.from_bytes(h, "little"),
         copy=lambda dst, src, n, st: enqueue(st, Op(lambda: True, lambda: ctypes.memmove(dst, src, n))),
         wait_at_least=lambda st, addr, v: enqueue(st, Op(lambda: ((flag(addr).value - v) & 0xFFFFFFFF) < 2**31)),
         write=lambda st, addr, v: enqueue(st, Op(lambda: True, lambda: setattr(flag(addr), "value", v))))
     cuda = types.SimpleNamespace(Stream=lambda device: FakeStream(gpu), Event=FakeEvent,
-                                 current_stream=lambda: gpu.current, synchronize=lambda: None)
+                                 current_stream=lambda: gpu.current, synchronize=gpu.run)
     return drv, cuda
 
 
@@ -219,7 +219,7 @@ def test_the_counters_wrap(pair: Any) -> None:
 
 
 def test_p2p_transport_is_checked_with_one_line() -> None:
-    assert celink.p2p_transport({}) == "auto"
+    assert cesetup.p2p_transport({}) == "auto"
     with pytest.raises(config.ConfigError, match=r"^PIPEFLOW_P2P must be one of auto, nccl, ce, found 'nvlink'$"):
         config.check_environment({"PIPEFLOW_P2P": "nvlink"})
 
@@ -249,14 +249,14 @@ def test_copy_engines_only_between_peer_gpus_of_one_host() -> None:
     ranks = [("a", 0, [0, 1]), ("a", 1, [0, 1]),  # peers
              ("b", 0, [0]), ("b", 1, [1])]        # one host, but no peer access (e.g. PCIe across sockets)
     # 1 -> 2 crosses hosts; 2 <-> 3 cannot access each other: NCCL for those
-    assert celink.usable_channels(keys, ranks) == [(0, 1, "F"), (1, 0, "B")]
+    assert cesetup.usable_channels(keys, ranks) == [(0, 1, "F"), (1, 0, "B")]
     ranks[3] = ("b", 1, [0, 1])  # access one way only is not enough
-    assert celink.usable_channels(keys, ranks) == [(0, 1, "F"), (1, 0, "B")]
+    assert cesetup.usable_channels(keys, ranks) == [(0, 1, "F"), (1, 0, "B")]
     ranks[2] = ("b", 0, [0, 1])
-    assert celink.usable_channels(keys, ranks) == [(0, 1, "F"), (1, 0, "B"), (2, 3, "F"), (3, 2, "B")]
+    assert cesetup.usable_channels(keys, ranks) == [(0, 1, "F"), (1, 0, "B"), (2, 3, "F"), (3, 2, "B")]
     with pytest.raises(UsageError, match=r"^PIPEFLOW_P2P=ce: ranks 1 and 2 cannot use the copy engines \(CUDA GPUs of "
                        r"one host with peer access are needed\); use PIPEFLOW_P2P=auto or nccl$"):
-        celink.usable_channels(keys, ranks, "ce")
+        cesetup.usable_channels(keys, ranks, "ce")
 
 
 def test_a_receive_that_never_arrives_is_reported_after_the_timeout(pair: Any, monkeypatch: pytest.MonkeyPatch
@@ -343,3 +343,52 @@ def test_p2p_hands_the_copy_engine_channels_to_celink_and_the_rest_to_nccl(monke
     assert p2p.ring_bytes() == 4096
     p2p.close()
     assert engines.closed and p2p.ce is None and p2p.ring_bytes() == 0
+
+
+class ScriptedMPI:
+    """Rank 0's view of a 2-rank job: each allgather returns this rank's value and rank 1's scripted one."""
+
+    def __init__(self, theirs: list[Any]) -> None:
+        self.theirs = theirs
+
+    def allgather(self, mine: Any) -> list[Any]:
+        return [mine, self.theirs.pop(0)]
+
+
+def _setup(monkeypatch: pytest.MonkeyPatch, theirs_error: str | None, mode: str = "auto",
+           open_fails: bool = False) -> Any:
+    gpu = FakeGPU(0)
+    drv, cuda = _fakes(gpu)
+    peer_page = drv.alloc(256)
+    if open_fails:
+        def refuse(handle: bytes) -> int:
+            raise cudadrv.DriverError("cuIpcOpenMemHandle_v2 failed: CUDA error 201 (invalid device context)")
+        drv.ipc_open = refuse
+    monkeypatch.setattr(celink, "cudadrv", drv)
+    monkeypatch.setattr(celink, "_cuda", cuda)
+    monkeypatch.setattr(cesetup.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(cesetup.torch.cuda, "can_device_access_peer", lambda a, b: True)
+    monkeypatch.setattr(cesetup.socket, "gethostname", lambda: "host")
+    mpi = ScriptedMPI([("host", 1, [0, 1]), peer_page.to_bytes(64, "little"), theirs_error])
+    world = types.SimpleNamespace(rank=0, local_rank=0, device=torch.device("cuda", 0), mpi=mpi)
+    return cesetup.setup(world, [(0, 1, "F"), (1, 0, "B")], mode), peer_page
+
+
+def test_setup_maps_the_peers_flags_and_probes_the_stream_operations(monkeypatch: pytest.MonkeyPatch) -> None:
+    ce, peer_page = _setup(monkeypatch, None)
+    send, recv = ce.ends[(0, 1, "F")], ce.ends[(1, 0, "B")]
+    own = ce.pages[0]
+    assert (send.mine, send.theirs) == (own + 4, peer_page)      # my `empty`, the receiver's `full` (channel 0)
+    assert (recv.mine, recv.theirs) == (own + 8, peer_page + 12)  # my `full`, the sender's `empty` (channel 1)
+    assert ctypes.c_uint32.from_address(own + 16).value == 1  # the probe's flag, written and waited for
+
+
+def test_setup_falls_back_to_nccl_on_every_rank_when_one_cannot(monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    why = "cuStreamWaitValue32_v2 failed: CUDA error 801 (operation not supported)"
+    assert _setup(monkeypatch, why)[0] is None
+    assert f"the copy engines cannot be set up (rank 1: {why}): point-to-point goes through NCCL" in caplog.text
+    with pytest.raises(UsageError, match=r"^PIPEFLOW_P2P=ce: the copy engines cannot be set up \(rank 0: "
+                       r"cuIpcOpenMemHandle_v2 failed: CUDA error 201 \(invalid device context\)\); use "
+                       r"PIPEFLOW_P2P=auto or nccl$"):
+        _setup(monkeypatch, None, mode="ce", open_fails=True)
