@@ -1,5 +1,6 @@
-"""Point-to-point channels on the GPUs' copy engines, for stages on one host whose GPUs are peers (NVLink or PCIe
-peer access): no kernel waits for a transfer, so compute keeps every SM.
+"""Point-to-point channels between stages on the GPUs' copy engines: no kernel waits for a transfer.
+
+For stages on one host whose GPUs are peers (NVLink or PCIe peer access), so that compute keeps every SM.
 
 Why: a posted NCCL receive is a kernel resident on the receiving GPU until the data arrives, and the compute
 beside it ran 16-30% slower on 2 x H200 (benchmarks/gpu/bench_peer.py); the same wait done as a stream memory
@@ -24,7 +25,7 @@ import pickle
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -32,11 +33,20 @@ from pipeflow import cudadrv
 from pipeflow.control import RING_TAGS
 
 log = logging.getLogger(__name__)
-_cuda: Any = torch.cuda  # streams and events (tests/test_celink.py replays the protocol on fakes)
+cuda: Any = torch.cuda  # streams and events (tests/test_celink.py replays the protocol on fakes)
 
 SLOTS = 4  # messages a channel holds before its sender's stream waits for the receiver's pulls
 ALIGN = 256
 Key = tuple[int, int, str]  # (sender, receiver, "F" | "B")
+
+
+class Rank(Protocol):
+    """What the copy engines read of this process's place in the job (comm.World has it)."""
+
+    rank: int
+    local_rank: int
+    device: torch.device
+    mpi: Any  # mpi4py's COMM_WORLD: the ring messages and the set-up's agreements
 
 
 def layout(sizes: list[int]) -> tuple[list[int], int]:
@@ -64,7 +74,7 @@ class Work:
         if self.post is not None:
             self.post()
         assert self.event is not None
-        _cuda.current_stream().wait_event(self.event)
+        cuda.current_stream().wait_event(self.event)
 
     def is_completed(self) -> bool:
         if self.event is None or not self.event.query():
@@ -73,13 +83,13 @@ class Work:
         return True
 
 
-class _End:
+class End:
     """One end of a channel: its stream, message count, and rings ((first message, address, slot bytes), newest
     last; the sender's own, the receiver's mapped)."""
 
     def __init__(self, key: Key, device: torch.device, mine: int, theirs: int) -> None:
         self.key, self.mine, self.theirs = key, mine, theirs  # my flag's address, the peer's flag mapped here
-        self.stream = _cuda.Stream(device)
+        self.stream = cuda.Stream(device)
         self.count = 0
         self.rings: list[tuple[int, int, int]] = []
         self.deferred: list[Work] = []  # receives waiting for a ring message, oldest first
@@ -92,7 +102,7 @@ class _End:
 class CopyEngines:
     """The copy-engine ends of this rank's channels (set up by `setup`, collectively)."""
 
-    def __init__(self, world: Any, ends: dict[Key, _End], pages: list[int]) -> None:
+    def __init__(self, world: Rank, ends: dict[Key, End], pages: list[int]) -> None:
         self.world, self.ends, self.pages = world, ends, pages
         self.ring_bytes = 0  # this rank's rings (its flags page aside)
         # receives posted on the GPU, oldest first (posted at, work, sender), for the watchdog's thread (stalled)
@@ -117,14 +127,14 @@ class CopyEngines:
         base, slot = end.ring(n)
         dst = base + (n % SLOTS) * slot
         st = end.stream
-        st.wait_stream(_cuda.current_stream())  # the tensors are computed
+        st.wait_stream(cuda.current_stream())  # the tensors are computed
         if n >= SLOTS:
             cudadrv.wait_at_least(st.cuda_stream, end.mine, n - SLOTS + 1)
         for b, off in zip(bufs, offsets, strict=True):
             if b.numel():
                 cudadrv.copy(dst + off, b.data_ptr(), _nbytes(b), st.cuda_stream)
         cudadrv.write(st.cuda_stream, end.theirs, n + 1)
-        ev = _cuda.Event()
+        ev = cuda.Event()
         ev.record(st)
         return Work(ev, bufs)
 
@@ -142,7 +152,7 @@ class CopyEngines:
         work.n, work.offsets, work.need = n, offsets, need
         return work
 
-    def _known(self, end: _End, need: int) -> bool:
+    def _known(self, end: End, need: int) -> bool:
         """Whether a ring holds messages of `need` bytes, reading the sender's ring messages already here (never
         waits for one)."""
         while not (end.rings and need <= end.rings[-1][2]):
@@ -151,13 +161,13 @@ class CopyEngines:
             self._read_ring(end)
         return True
 
-    def _read_ring(self, end: _End) -> None:
+    def _read_ring(self, end: End) -> None:
         first, handle, slot = pickle.loads(self.world.mpi.recv(source=end.key[0], tag=RING_TAGS[end.key[2]]))
         addr = cudadrv.ipc_open(handle)
         self.pages.append(-addr)  # mapped, not owned: closed, not freed
         end.rings.append((first, addr, slot))
 
-    def _post_deferred(self, end: _End, upto: Work) -> None:
+    def _post_deferred(self, end: End, upto: Work) -> None:
         """Post the deferred receives up to `upto`, in order, reading ring messages as they are needed."""
         while end.deferred and upto.event is None:
             w = end.deferred.pop(0)
@@ -165,17 +175,17 @@ class CopyEngines:
                 self._read_ring(end)
             self._pull(end, w.n, w.keep, w.offsets, w)
 
-    def _pull(self, end: _End, n: int, bufs: list[torch.Tensor], offsets: list[int], work: Work) -> None:
+    def _pull(self, end: End, n: int, bufs: list[torch.Tensor], offsets: list[int], work: Work) -> None:
         base, slot = end.ring(n)
         src = base + (n % SLOTS) * slot
         st = end.stream
-        st.wait_stream(_cuda.current_stream())  # the buffers' memory is free on the compute stream's order
+        st.wait_stream(cuda.current_stream())  # the buffers' memory is free on the compute stream's order
         cudadrv.wait_at_least(st.cuda_stream, end.mine, n + 1)
         for b, off in zip(bufs, offsets, strict=True):
             if b.numel():
                 cudadrv.copy(b.data_ptr(), src + off, _nbytes(b), st.cuda_stream)
         cudadrv.write(st.cuda_stream, end.theirs, n + 1)
-        ev = _cuda.Event()
+        ev = cuda.Event()
         ev.record(st)
         work.event, work.post = ev, None
         with self.lock:
@@ -189,7 +199,7 @@ class CopyEngines:
         watchdog's thread asks this (a peer that is alive but never sends keeps its heartbeats)."""
         now = time.monotonic()
         if self.world.device.type == "cuda":  # this thread's current device, or a query makes a context on GPU 0
-            _cuda.set_device(self.world.device)
+            cuda.set_device(self.world.device)
         with self.lock:
             while self.posted and self.posted[0][1].is_completed():
                 self.posted.popleft()
@@ -201,7 +211,7 @@ class CopyEngines:
 
     def close(self) -> None:
         """Unmap the peers' memory and free this rank's (after the device is idle)."""
-        _cuda.synchronize()
+        cuda.synchronize()
         for addr in self.pages:
             (cudadrv.ipc_close if addr < 0 else cudadrv.free)(abs(addr))
         self.pages = []

@@ -1,18 +1,18 @@
-"""Which point-to-point channels run on the GPUs' copy engines (celink.py), and their set-up: PIPEFLOW_P2P, the
-ranks' hosts and peer access, every rank's flags page mapped by its peers, and a probe of the stream memory
-operations, agreed by all ranks, with NCCL as the fallback."""
+"""Which point-to-point channels run on the GPUs' copy engines (celink.py), and their set-up.
+
+PIPEFLOW_P2P, the ranks' hosts and peer access, every rank's flags page mapped by its peers, and a probe of the
+stream memory operations, agreed by all ranks, with NCCL as the fallback."""
 from __future__ import annotations
 
 import logging
 import os
 import socket
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
 from pipeflow import celink
-from pipeflow.celink import Key
+from pipeflow.celink import Key, Rank
 from pipeflow.cudadrv import DriverError
 from pipeflow.failure import UsageError
 
@@ -46,7 +46,7 @@ def usable_channels(keys: list[Key], ranks: list[tuple[str, int, list[int]]], mo
     return usable
 
 
-def setup(world: Any, keys: list[Key], mode: str) -> celink.CopyEngines | None:
+def setup(world: Rank, keys: list[Key], mode: str) -> celink.CopyEngines | None:
     """Collective over all CUDA ranks (MPI): the copy-engine ends of this rank's channels among `keys` (every rank's
     channels, in one order on all ranks), or None where none may use them (mode nccl, CPU, other hosts). Where the
     driver refuses any step on any rank (no IPC in this container, no stream memory operations), every rank falls
@@ -91,23 +91,23 @@ def setup(world: Any, keys: list[Key], mode: str) -> celink.CopyEngines | None:
         log.warning("the copy engines cannot be set up (%s): point-to-point goes through NCCL", why)
         return None
     index = {k: i for i, k in enumerate(usable)}
-    ends: dict[Key, celink._End] = {}
+    ends: dict[Key, celink.End] = {}
     for k in usable:
         if world.rank not in k[:2]:
             continue
         peer = k[1] if world.rank == k[0] else k[0]
         full, empty = 8 * index[k], 8 * index[k] + 4  # `full` on the receiver's page, `empty` on the sender's
         if world.rank == k[0]:
-            ends[k] = celink._End(k, world.device, page + empty, mapped[peer] + full)
+            ends[k] = celink.End(k, world.device, page + empty, mapped[peer] + full)
         else:
-            ends[k] = celink._End(k, world.device, page + full, mapped[peer] + empty)
+            ends[k] = celink.End(k, world.device, page + full, mapped[peer] + empty)
     log.info("point-to-point on the copy engines: %d of %d channels", len(usable), len(keys))
     return celink.CopyEngines(world, ends, [page] + [-a for a in mapped.values()] if page else [])
 
 
 def _probe(device: torch.device, flag: int) -> None:
     """A flag written and waited for on a stream, to the end: stream memory operations work here."""
-    st = celink._cuda.Stream(device)
+    st = celink.cuda.Stream(device)
     celink.cudadrv.write(st.cuda_stream, flag, 1)
     celink.cudadrv.wait_at_least(st.cuda_stream, flag, 1)
-    celink._cuda.synchronize()
+    celink.cuda.synchronize()

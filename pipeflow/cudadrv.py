@@ -1,6 +1,7 @@
-"""The few CUDA driver calls a copy-engine channel needs (ctypes on libcuda): raw device memory shared between
-processes (IPC handles), copies between GPUs on the copy engines, and 32-bit flags that a stream waits on or
-writes, so that neither an SM nor a host thread waits for a transfer.
+"""The few CUDA driver calls a copy-engine channel needs, through ctypes on libcuda.
+
+Raw device memory shared between processes (IPC handles), copies between GPUs on the copy engines, and 32-bit
+flags that a stream waits on or writes, so that neither an SM nor a host thread waits for a transfer.
 
 torch exposes none of these for memory another process owns. Every call runs in the calling thread's current
 context, which torch makes the device's primary context (call after torch.cuda.set_device and one CUDA op)."""

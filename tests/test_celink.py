@@ -119,7 +119,7 @@ def pair(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Any
     gpu = FakeGPU(request.param)
     drv, cuda = _fakes(gpu)
     monkeypatch.setattr(celink, "cudadrv", drv)
-    monkeypatch.setattr(celink, "_cuda", cuda)
+    monkeypatch.setattr(celink, "cuda", cuda)
     boxes: dict[tuple[int, int, int], list[Any]] = {}
     pages = [drv.alloc(256), drv.alloc(256)]
     sides = []
@@ -128,7 +128,7 @@ def pair(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Any
         compute = FakeStream(gpu)
         gpu.current = compute
         mine, theirs = (pages[0] + 4, pages[1]) if rank == 0 else (pages[1], pages[0] + 4)
-        end = celink._End(KEY, world.device, mine, theirs)
+        end = celink.End(KEY, world.device, mine, theirs)
         sides.append((celink.CopyEngines(world, {KEY: end}, []), compute))
 
     def on(rank: int) -> celink.CopyEngines:
@@ -365,7 +365,7 @@ def _setup(monkeypatch: pytest.MonkeyPatch, theirs_error: str | None, mode: str 
             raise cudadrv.DriverError("cuIpcOpenMemHandle_v2 failed: CUDA error 201 (invalid device context)")
         drv.ipc_open = refuse
     monkeypatch.setattr(celink, "cudadrv", drv)
-    monkeypatch.setattr(celink, "_cuda", cuda)
+    monkeypatch.setattr(celink, "cuda", cuda)
     monkeypatch.setattr(cesetup.torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(cesetup.torch.cuda, "can_device_access_peer", lambda a, b: True)
     monkeypatch.setattr(cesetup.socket, "gethostname", lambda: "host")

@@ -1,6 +1,7 @@
-"""What a GPU's compute loses while its peer works and a transfer is pending (issue 15): two processes, one GPU
-each, rank 0 times a fixed amount of GPT-block work (forward + backward) under each condition below, rank 1 does
-the condition's part. Conditions:
+"""What a GPU's compute loses while its peer works and a transfer is pending (issue 15).
+
+Two processes, one GPU each: rank 0 times a fixed amount of GPT-block work (forward + backward) under each
+condition below, rank 1 does the condition's part. Conditions:
 
   alone           rank 1 idle
   peer busy       rank 1 runs the same work at the same time
