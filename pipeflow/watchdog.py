@@ -120,8 +120,13 @@ class Watchdog:
             self._stop.wait(self.interval / 4)
 
     def _check_transfers(self) -> None:
-        for check in self.checks:
-            stalled = check()
+        for check in list(self.checks):
+            try:
+                stalled = check()
+            except Exception as e:  # a failing check must not end the heartbeats: it is dropped, once, with a line
+                log.warning("a transfer check failed and is no longer run: %s", e)
+                self.checks.remove(check)
+                continue
             if stalled is not None:
                 self._fail(*stalled)
 

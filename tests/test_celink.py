@@ -296,6 +296,21 @@ def test_the_watchdog_ends_the_job_on_a_stalled_transfer() -> None:
     assert failed == [(3, "a tensor it sends on the copy engines has not arrived")]
 
 
+def test_a_check_that_fails_is_dropped_and_the_heartbeats_go_on(caplog: pytest.LogCaptureFixture) -> None:
+    from pipeflow.watchdog import Watchdog
+
+    dog = Watchdog.__new__(Watchdog)
+    dog.checks = []
+
+    def broken() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    dog.watch(broken)
+    dog._check_transfers()  # no exception out of the watchdog's loop
+    assert dog.checks == []
+    assert "a transfer check failed and is no longer run: CUDA error: an illegal memory access" in caplog.text
+
+
 def test_p2p_hands_the_copy_engine_channels_to_celink_and_the_rest_to_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
     """comm.P2P: a channel celink set up is neither warmed up nor used through NCCL; the others are, as before."""
     from types import SimpleNamespace
