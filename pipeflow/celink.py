@@ -66,9 +66,10 @@ class Work:
     """A send's or receive's completion on the GPU, like a torch.distributed work: wait() makes the current stream
     wait (the host never does); a receive whose ring is not known yet is posted at its wait (`post`)."""
 
-    def __init__(self, event: torch.cuda.Event | None, keep: list[torch.Tensor], post: Any = None) -> None:
-        self.event, self.keep, self.post = event, keep, post
-        self.n, self.offsets, self.need = -1, [0], 0  # a deferred receive's message, layout and bytes
+    def __init__(self, event: torch.cuda.Event | None, keep: list[torch.Tensor], n: int = -1) -> None:
+        self.event, self.keep, self.n = event, keep, n  # keep: the tensors; n: a receive's message on its channel
+        self.post: Any = None
+        self.layout = layout([_nbytes(b) for b in keep]) if n >= 0 else ([], 0)  # a receive's offsets and bytes
 
     def wait(self) -> None:
         if self.post is not None:
@@ -94,9 +95,25 @@ class End:
         self.rings: list[tuple[int, int, int]] = []
         self.deferred: list[Work] = []  # receives waiting for a ring message, oldest first
 
-    def ring(self, n: int) -> tuple[int, int]:
-        first, addr, slot = next(r for r in reversed(self.rings) if r[0] <= n)
-        return addr, slot
+    def holds(self, need: int) -> bool:
+        """Whether the newest ring's slots hold a message of `need` bytes."""
+        return bool(self.rings) and need <= self.rings[-1][2]
+
+    def slot(self, n: int) -> int:
+        """The address of message n's slot, in the ring that was newest when the sender sent it."""
+        first, addr, size = next(r for r in reversed(self.rings) if r[0] <= n)
+        return addr + (n % SLOTS) * size
+
+    def move(self, pairs: list[tuple[int, int, int]], n: int) -> torch.cuda.Event:
+        """On this end's stream: the copies (to, from, bytes), then the peer's flag raised to n + 1; the event of
+        their end."""
+        for dst, src, nbytes in pairs:
+            if nbytes:
+                cudadrv.copy(dst, src, nbytes, self.stream.cuda_stream)
+        cudadrv.write(self.stream.cuda_stream, self.theirs, n + 1)
+        ev = cuda.Event()
+        ev.record(self.stream)
+        return ev
 
 
 class CopyEngines:
@@ -117,45 +134,35 @@ class CopyEngines:
         n = end.count
         end.count += 1
         offsets, need = layout([_nbytes(b) for b in bufs])
-        if not end.rings or need > end.rings[-1][2]:  # a new ring for messages n onwards; the old ones stay
+        if not end.holds(need):  # a new ring for messages n onwards; the old ones stay
             addr = cudadrv.alloc(SLOTS * need)
             self.pages.append(addr)
             self.ring_bytes += SLOTS * need
             end.rings.append((n, addr, need))
             self.world.mpi.send(pickle.dumps((n, cudadrv.ipc_handle(addr), need)), dest=key[1],
                                 tag=RING_TAGS[key[2]])
-        base, slot = end.ring(n)
-        dst = base + (n % SLOTS) * slot
-        st = end.stream
-        st.wait_stream(cuda.current_stream())  # the tensors are computed
+        dst = end.slot(n)
+        end.stream.wait_stream(cuda.current_stream())  # the tensors are computed
         if n >= SLOTS:
-            cudadrv.wait_at_least(st.cuda_stream, end.mine, n - SLOTS + 1)
-        for b, off in zip(bufs, offsets, strict=True):
-            if b.numel():
-                cudadrv.copy(dst + off, b.data_ptr(), _nbytes(b), st.cuda_stream)
-        cudadrv.write(st.cuda_stream, end.theirs, n + 1)
-        ev = cuda.Event()
-        ev.record(st)
-        return Work(ev, bufs)
+            cudadrv.wait_at_least(end.stream.cuda_stream, end.mine, n - SLOTS + 1)
+        pairs = [(dst + off, b.data_ptr(), _nbytes(b)) for b, off in zip(bufs, offsets, strict=True)]
+        return Work(end.move(pairs, n), bufs)
 
     def recv(self, key: Key, bufs: list[torch.Tensor]) -> Work:
         end = self.ends[key]
-        n = end.count
+        work = Work(None, bufs, end.count)
         end.count += 1
-        offsets, need = layout([_nbytes(b) for b in bufs])
-        work = Work(None, bufs)
-        if end.deferred or not self._known(end, need):
+        if end.deferred or not self._known(end, work.layout[1]):
             work.post = lambda: self._post_deferred(end, work)
             end.deferred.append(work)
         else:
-            self._pull(end, n, bufs, offsets, work)
-        work.n, work.offsets, work.need = n, offsets, need
+            self._pull(end, work)
         return work
 
     def _known(self, end: End, need: int) -> bool:
         """Whether a ring holds messages of `need` bytes, reading the sender's ring messages already here (never
         waits for one)."""
-        while not (end.rings and need <= end.rings[-1][2]):
+        while not end.holds(need):
             if not self.world.mpi.Iprobe(source=end.key[0], tag=RING_TAGS[end.key[2]]):
                 return False
             self._read_ring(end)
@@ -171,27 +178,26 @@ class CopyEngines:
         """Post the deferred receives up to `upto`, in order, reading ring messages as they are needed."""
         while end.deferred and upto.event is None:
             w = end.deferred.pop(0)
-            while not end.rings or w.need > end.rings[-1][2]:
+            while not end.holds(w.layout[1]):
                 self._read_ring(end)
-            self._pull(end, w.n, w.keep, w.offsets, w)
+            self._pull(end, w)
 
-    def _pull(self, end: End, n: int, bufs: list[torch.Tensor], offsets: list[int], work: Work) -> None:
-        base, slot = end.ring(n)
-        src = base + (n % SLOTS) * slot
-        st = end.stream
-        st.wait_stream(cuda.current_stream())  # the buffers' memory is free on the compute stream's order
-        cudadrv.wait_at_least(st.cuda_stream, end.mine, n + 1)
-        for b, off in zip(bufs, offsets, strict=True):
-            if b.numel():
-                cudadrv.copy(b.data_ptr(), src + off, _nbytes(b), st.cuda_stream)
-        cudadrv.write(st.cuda_stream, end.theirs, n + 1)
-        ev = cuda.Event()
-        ev.record(st)
-        work.event, work.post = ev, None
+    def _pull(self, end: End, work: Work) -> None:
+        """Post receive `work` (message work.n into the tensors work.keep) on the end's stream."""
+        offsets, _ = work.layout
+        src = end.slot(work.n)
+        end.stream.wait_stream(cuda.current_stream())  # the buffers' memory is free on the compute stream's order
+        cudadrv.wait_at_least(end.stream.cuda_stream, end.mine, work.n + 1)
+        pairs = [(b.data_ptr(), src + off, _nbytes(b)) for b, off in zip(work.keep, offsets, strict=True)]
+        work.event, work.post = end.move(pairs, work.n), None
         with self.lock:
-            while self.posted and self.posted[0][1].is_completed():
-                self.posted.popleft()
+            self._prune()
             self.posted.append((time.monotonic(), work, end.key[0]))
+
+    def _prune(self) -> None:
+        """Drop the arrived receives at the front of `posted` (under the lock)."""
+        while self.posted and self.posted[0][1].is_completed():
+            self.posted.popleft()
 
     def stalled(self, timeout_s: float) -> tuple[int, str] | None:
         """The sender of a receive posted more than `timeout_s` ago that has not arrived, and what to say; None
@@ -201,8 +207,7 @@ class CopyEngines:
         if self.world.device.type == "cuda":  # this thread's current device, or a query makes a context on GPU 0
             cuda.set_device(self.world.device)
         with self.lock:
-            while self.posted and self.posted[0][1].is_completed():
-                self.posted.popleft()
+            self._prune()
             if not self.posted or now - self.posted[0][0] <= timeout_s:
                 return None
             posted, _, peer = self.posted[0]

@@ -90,17 +90,13 @@ def setup(world: Rank, keys: list[Key], mode: str) -> celink.CopyEngines | None:
                              "or nccl")
         log.warning("the copy engines cannot be set up (%s): point-to-point goes through NCCL", why)
         return None
-    index = {k: i for i, k in enumerate(usable)}
     ends: dict[Key, celink.End] = {}
-    for k in usable:
-        if world.rank not in k[:2]:
-            continue
-        peer = k[1] if world.rank == k[0] else k[0]
-        full, empty = 8 * index[k], 8 * index[k] + 4  # `full` on the receiver's page, `empty` on the sender's
+    for i, k in enumerate(usable):
+        full, empty = 8 * i, 8 * i + 4  # `full` on the receiver's page, `empty` on the sender's
         if world.rank == k[0]:
-            ends[k] = celink.End(k, world.device, page + empty, mapped[peer] + full)
-        else:
-            ends[k] = celink.End(k, world.device, page + full, mapped[peer] + empty)
+            ends[k] = celink.End(k, world.device, page + empty, mapped[k[1]] + full)
+        elif world.rank == k[1]:
+            ends[k] = celink.End(k, world.device, page + full, mapped[k[0]] + empty)
     log.info("point-to-point on the copy engines: %d of %d channels", len(usable), len(keys))
     return celink.CopyEngines(world, ends, [page] + [-a for a in mapped.values()] if page else [])
 
