@@ -128,12 +128,13 @@ def _layer_bytes(stats: dict[str, Any]) -> int:
 
 
 def time_as_a_stage(spec: ModelSpec, layers: list[dict[str, Any]], x: Any, dev: torch.device,
-                     dtype: torch.dtype | None, *, warmup: int, repeats: int) -> list[float]:
+                     dtype: torch.dtype | None, *, warmup: int, repeats: int, fuse: bool = False) -> list[float]:
     """--timing stage: replace each layer's forward and backward times in `layers` (profile_layer's numbers)
     with time_chain's, run over windows of consecutive layers whose bytes fit in half the free memory
     (a model too large for the device is timed a window at a time; the first layer of a window starts
     from a drained chain). A layer's share of its backward's weight gradients (backward_weight_ms) is kept.
-    Returns the passes' totals, for the repeat spread."""
+    `fuse`: nn.Linear layers accumulate inside their GEMM (sandbox_copy). Returns the passes' totals, for the
+    repeat spread."""
     free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else machine_bytes(dev)[0] // 2
     budget = free // 2
     passes: list[float] = []
@@ -143,7 +144,7 @@ def time_as_a_stage(spec: ModelSpec, layers: list[dict[str, Any]], x: Any, dev: 
         while end < len(layers) and need + _layer_bytes(layers[end]) <= budget:
             need += _layer_bytes(layers[end])
             end += 1
-        works = [sandbox_copy(layer, dev, dtype) for layer in spec.layers[start:end]]
+        works = [sandbox_copy(layer, dev, dtype, fuse=fuse) for layer in spec.layers[start:end]]
         times = time_chain(works, x, dev, warmup=warmup, repeats=repeats)
         del works
         free_cached(dev)

@@ -13,6 +13,7 @@ from partitioner.measure import cast_floats_to, free_cached, machine_bytes, map_
 from partitioner.profile import ProfileError
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.spec import ModelSpec
+from pipeflow.split import WeightGradStore, install
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
@@ -43,10 +44,15 @@ def saved_bytes(layer: nn.Module, x: Any) -> int:
     return sum(seen.values())
 
 
-def sandbox_copy(layer: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
+def sandbox_copy(layer: nn.Module, device: torch.device, dtype: torch.dtype | None, *,
+                 fuse: bool = False) -> nn.Module:
     """A private copy of `layer` to measure, in train mode on the device (torchgpipe's training_sandbox):
-    the user's layer keeps its parameters, buffers (BatchNorm statistics), device, dtype and mode."""
-    return copy.deepcopy(layer).to(device=device, dtype=dtype).train()
+    the user's layer keeps its parameters, buffers (BatchNorm statistics), device, dtype and mode. `fuse`: its
+    nn.Linear layers add weight gradients into .grad inside their GEMM, as a stage's do (pipeflow/split.py)."""
+    work = copy.deepcopy(layer).to(device=device, dtype=dtype).train()
+    if fuse:
+        install(work, WeightGradStore(fuse=True))
+    return work
 
 
 def check_microbatch_fits(spec: ModelSpec, microbatch_size: int, device: torch.device,

@@ -30,7 +30,7 @@ from partitioner.measure import (
 from partitioner.profile import TIMINGS, LayerProfile, Profile, ProfileError
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.spec import ModelError, ModelSpec, build_model, model_dtype, parse_model_args
-from pipeflow.split import time_split_backward
+from pipeflow.split import gemm_accumulation, time_split_backward
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 # --timing when not given, by device (False: CPU, True: CUDA). On 2 x H200 (benchmarks/gpu/README.md) the stage
@@ -106,7 +106,8 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     the loss on the last layer's output and a step of `optimizer` per parameter byte (None: not timed).
 
     The backward is timed twice per repeat: with no gradients yet (backward_ms) and accumulating into them
-    (backward_accumulate_ms, every microbatch of a flushed step but the first). `threads` torch threads
+    (backward_accumulate_ms, every microbatch of a flushed step but the first; inside the weight GEMMs where the
+    ranks accumulate there, PIPEFLOW_GRAD_ACCUM, pipeflow/split.py). `threads` torch threads
     (None: the process's own, as planning on the spot in a rank uses); a noisy machine (repeats
     disagreeing by more than measure.NOISY_SPREAD) appends a line to `warnings`.
 
@@ -133,6 +134,10 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     if timing == "kernels" and dev.type != "cuda":
         raise ProfileError(f"--timing {timing} times CUDA kernels: it needs --device cuda, found {dev.type}")
     held = timing == "kernels"
+    try:
+        fuse = gemm_accumulation()  # as the ranks will accumulate (pipeflow/split.py)
+    except ValueError as e:
+        raise ProfileError(str(e)) from None
     torch_dtype = DTYPES[dtype] if dtype is not None else None
     model = nn.ModuleList(spec.layers)
     in_dtype = torch_dtype or model_dtype(model)
@@ -147,14 +152,14 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
         x = cast_floats_to(x, in_dtype)
         first = x
         for i, layer in enumerate(spec.layers):
-            work = sandbox_copy(layer, dev, torch_dtype)
+            work = sandbox_copy(layer, dev, torch_dtype, fuse=fuse)
             stats, x = profile_layer(work, x, device=dev, dtype=None, warmup=warmup, repeats=repeats, held=held)
             del work
             free_cached(dev)
             stats["name"] = f"{i}:{stats['name']}"
             layers.append(stats)
-        chain = time_as_a_stage(spec, layers, first, dev, torch_dtype, warmup=warmup,
-                                 repeats=repeats) if timing == "stage" else None
+        chain = time_as_a_stage(spec, layers, first, dev, torch_dtype, warmup=warmup, repeats=repeats,
+                                fuse=fuse) if timing == "stage" else None
         try:
             loss_ms = time_loss(spec.loss_fn, prepare_input(x, dev, None), map_tensors(y, lambda t: t.to(dev)), timer,
                                 warmup=warmup, repeats=repeats)

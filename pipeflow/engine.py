@@ -17,6 +17,7 @@ from pipeflow.receives import ForwardReceives
 from pipeflow.reduce import find_ties
 from pipeflow.schedule import Action, Kind, Schedule, generate
 from pipeflow.spec import ModelSpec
+from pipeflow.split import gemm_accumulation
 from pipeflow.stage import Stage, mark_requires_grad
 from pipeflow.stash import segment_policy
 
@@ -47,12 +48,12 @@ class Engine:
                        for k, st in enumerate(plan.stages) if k % self.S == self.s}
         self.stage = self.stages[self.s]  # the first (with one stage per rank, the only) chunk here
         self.split = Kind.W if self.kind.split_backward else Kind.B  # zero bubble: B defers weight GEMMs to W
+        linears = sum(len(c.linear_backward(split=self.kind.split_backward, fuse=gemm_accumulation()))
+                      for c in self.stages.values())
         if self.kind.split_backward:
-            log.info("%s: B defers the weight gradients of %d nn.Linear module(s) to W (split.py)", schedule,
-                     sum(len(c.split_backward()) for c in self.stages.values()))
-        # Once: walking the modules takes ~0.1 ms of host time on a stage of 14 GPT blocks (158 tensors), and the
-        # non-finite check reads the parameters at every update (32 a step under async at microbatch 2). The
-        # objects never change (a checkpoint loads into them; the weight stash binds copies only in a forward).
+            log.info("%s: B defers the weight gradients of %d nn.Linear module(s) to W (split.py)", schedule, linears)
+        # Once: walking the modules takes ~0.1 ms on 14 GPT blocks, read at every update (32 a step under async at
+        # microbatch 2); the objects never change (checkpoints load into them; the stash binds copies in a forward).
         live: dict[int, torch.nn.Parameter] = {}
         for c in self.stages.values():
             live.update((id(p), p) for p in c.parameters())
@@ -87,8 +88,7 @@ class Engine:
         self.step_gate: StepGate | None = step_gate(self) if step_gate else None  # made last: it reads the engine
 
     def parameters(self) -> list[torch.nn.Parameter]:
-        """Every parameter of this rank's chunks, once (a tied one shared by two chunks here is one): the live
-        ones, even while a forward runs on a stashed copy."""
+        """Every parameter of this rank's chunks, once (a tied one too), the live ones even during a stashed forward."""
         return list(self._parameters)
 
     # ------------------------------------------------------------------ set-up

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pipeflow.comm import all_reduce, group_size
+from pipeflow.split import LINEAR_NODE
 
 
 class GradReducer:
@@ -27,11 +28,12 @@ class GradReducer:
     expects the parameters whose AccumulateGrad node it reaches. Autograd runs that node once per backward
     (a parameter used twice has its two gradients summed in the node's input buffer first), so each
     expected hook fires once and a bucket launches when all its expected parameters have fired; the others'
-    gradients are already final. Nothing launches before `finish()` when the graph reaches none of the
-    parameters (a stashed copy's graph: stash.py adds those gradients after the backward) or holds a Python
-    autograd Function, which may run nested backwards (reentrant checkpointing) that accumulate into
-    parameters outside that count, any number of times. With `overlap=False` (tied parameters) everything
-    launches in `finish()`.
+    gradients are already final. The hooks exist only from `arm` to `finish()`: in any other backward a
+    weight's GEMM may add into .grad itself (split.py), which runs no hook. Nothing launches before `finish()`
+    when the graph reaches none of the parameters (a stashed copy's graph: stash.py adds those gradients after
+    the backward) or holds a Python autograd Function (other than split.py's Linear), which may run nested
+    backwards (reentrant checkpointing) that accumulate into parameters outside that count, any number of
+    times. With `overlap=False` (tied parameters) everything launches in `finish()`.
     """
 
     def __init__(self, params: list[nn.Parameter], group: Any, *, average: bool = False,
@@ -51,9 +53,8 @@ class GradReducer:
         self.next = 0
         self.works: list[tuple[Any, torch.Tensor, int, bool]] = []  # (work, flat, bucket, all present here)
         self.armed = False
-        if overlap:
-            for p in self.bucket_of:
-                p.register_post_accumulate_grad_hook(self._on_grad)
+        self.overlap = overlap
+        self.hooks: list[Any] = []  # registered only while armed: a hooked weight's GEMM leaves .grad to autograd
 
     def arm(self, roots: Sequence[torch.Tensor]) -> None:
         """The backward from `roots` is this member's last of the step: reduce as gradients become final."""
@@ -67,9 +68,16 @@ class GradReducer:
     def _arm(self, leaves: set[int], nested: bool) -> None:
         self.next = 0
         self.waiting = [sum(id(p) in leaves for p in ps) for ps in self.buckets]
-        self.armed = not nested and any(self.waiting)
+        self.armed = self.overlap and not nested and any(self.waiting)
+        self._unhook()
         if self.armed:
+            self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.bucket_of]
             self._advance()
+
+    def _unhook(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self.armed:
@@ -99,6 +107,7 @@ class GradReducer:
     def finish(self) -> None:
         """Launch what backward did not, wait, and write the sums back (None where no member had one)."""
         self.armed = False
+        self._unhook()
         while self.next < len(self.buckets):
             self._launch(self.next)
             self.next += 1
@@ -129,7 +138,8 @@ class GradReducer:
 
 def _graph_leaves(roots: Iterable[torch.Tensor]) -> tuple[set[int], bool]:
     """ids of the leaf tensors whose AccumulateGrad a backward from `roots` runs, and whether the graph
-    holds a Python autograd Function (which may run a nested backward, e.g. reentrant checkpointing)."""
+    holds a Python autograd Function (which may run a nested backward, e.g. reentrant checkpointing; split.py's
+    Linear runs none)."""
     leaves: set[int] = set()
     nested = False
     stack: list[Any] = []
@@ -147,7 +157,7 @@ def _graph_leaves(roots: Iterable[torch.Tensor]) -> tuple[set[int], bool]:
         var = getattr(fn, "variable", None)  # AccumulateGrad nodes name their leaf
         if isinstance(var, torch.Tensor):
             leaves.add(id(var))
-        if isinstance(fn, torch.autograd.function.BackwardCFunction):
+        if isinstance(fn, torch.autograd.function.BackwardCFunction) and not isinstance(fn, LINEAR_NODE):
             nested = True
         stack.extend(f for f, _ in fn.next_functions if f is not None)
     return leaves, nested

@@ -93,13 +93,17 @@ class Stage:
             index = device.index if device.index is not None else torch.cuda.current_device()
             self.generators.append(torch.cuda.default_generators[index])
         self.saved: dict[int, _Saved] = {}
-        self.weight_store: WeightGradStore | None = None  # set by split_backward
+        self.weight_store: WeightGradStore | None = None  # set by linear_backward(split=True)
 
-    def split_backward(self) -> list[str]:
-        """Zero-bubble schedules: from now on `backward` (B) defers the weight GEMMs of the stage's nn.Linear
-        layers and `backward_weights` (W) runs them (pipeflow/split.py). Returns the split modules' names."""
-        self.weight_store = WeightGradStore()
-        return install(self.module, self.weight_store)
+    def linear_backward(self, *, split: bool, fuse: bool) -> list[str]:
+        """How the stage's nn.Linear layers compute weight gradients from now on (pipeflow/split.py). `split`
+        (zero-bubble schedules): `backward` (B) defers their weight GEMMs and `backward_weights` (W) runs them;
+        `fuse`: each GEMM adds into .grad itself. Returns the names of the modules that changed."""
+        if not (split or fuse):
+            return []
+        store = WeightGradStore(fuse=fuse)
+        self.weight_store = store if split else None
+        return install(self.module, store)
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
@@ -159,7 +163,7 @@ class Stage:
 
     def backward_weights(self, mb: int) -> None:
         """W of microbatch `mb`: the weight gradients its B deferred, accumulated into .grad (nothing to do
-        without split_backward)."""
+        without a split backward)."""
         if self.weight_store is not None:
             self.weight_store.flush(mb)
 

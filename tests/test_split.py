@@ -128,13 +128,13 @@ def test_b_does_not_run_the_weight_gemms():
 
 
 def test_stage_split_backward_defers_to_backward_weights():
-    """Stage API: split_backward() installs the split, backward(i) is B, backward_weights(i) W."""
+    """Stage API: linear_backward(split=True) installs the split, backward(i) is B, backward_weights(i) W."""
     torch.manual_seed(0)
     layers = [nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6)), nn.Linear(6, 3)]
     ref = copy.deepcopy(layers)
     stage = Stage(layers, start=0, first=True, last=True, loss_fn=nn.functional.cross_entropy,
                   device=torch.device("cpu"), dtype=torch.float64)
-    assert stage.split_backward() == ["0.0", "1"]
+    assert stage.linear_backward(split=True, fuse=False) == ["0.0", "1"]
     x, y = torch.randn(5, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1])
     stage.forward(0, x, y)
     stage.backward(0, None)

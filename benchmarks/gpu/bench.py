@@ -18,6 +18,8 @@ Rows (';'-separated), every one at --sequences per optimizer step (default 64):
                                     peak, for "as fast at no more memory") instead of 90% of the card's memory
     ... p2p=nccl|ce|auto            pf/big rows: PIPEFLOW_P2P for the row (how stages send: NCCL kernels or the
                                     GPUs' copy engines; default auto, the copy engines where GPUs are peers)
+    ... accum=gemm|autograd         pf/big rows: PIPEFLOW_GRAD_ACCUM for the row and its profile (weight gradients
+                                    added into .grad by autograd, the default, as in plain PyTorch, or by the GEMM)
     ... trace                       pf/big rows: pipeflow-train --trace, then per rank the ms per step in each
                                     kind of span (F, B, W, STEP, SEND, WAIT) and idle, from the trace
     ... idle|kernels|stage          pf/big/gb rows: profiled with pipeflow-profile --timing idle (each call from
@@ -62,6 +64,7 @@ GPT = {"layers": 24, "d_model": 2048, "heads": 16, "seq_len": 1024, "vocab": 320
 BIG = {"layers": 50, "d_model": 4096, "heads": 32, "seq_len": 1024, "vocab": 32000, "dataset": "synthetic"}
 TINY = {"layers": 4, "d_model": 32, "heads": 2, "seq_len": 16, "vocab": 256, "dataset": "synthetic"}
 P2P_WORDS = ("p2p=auto", "p2p=nccl", "p2p=ce")  # a pf/big row's PIPEFLOW_P2P
+ACCUM_WORDS = ("accum=gemm", "accum=autograd")  # a pf/big row's PIPEFLOW_GRAD_ACCUM
 TIMED = ("idle", "kernels", "stage")  # a pf/big/gb row's word for pipeflow-profile --timing (else its default)
 
 
@@ -207,13 +210,16 @@ class Bench:
         self.add(f"torch {schedule}", f"{mb} x {m}, layers {split}", self.n, rc, out, self.gpt)
 
     def profile(self, cfg: dict[str, object], mb: int, tag: str, sizes: str | None = None,
-                timing: str = "default") -> Path | None:
+                timing: str = "default", accum: str | None = None) -> Path | None:
         """profile.json at microbatch mb, or at every size of `sizes` (one file, for --global-batch), timed by
-        pipeflow-profile --timing `timing` ("default": the profiler's own choice for the device)."""
+        pipeflow-profile --timing `timing` ("default": the profiler's own choice for the device), accumulating
+        gradients as PIPEFLOW_GRAD_ACCUM=`accum` says (None: the default)."""
         at = ["--microbatch-sizes", sizes] if sizes else ["--microbatch-size", str(mb)]
         if timing != "default":
             at += ["--timing", timing]
             tag += f"-{timing}"
+        if accum:
+            tag += f"-accum{accum}"
         # the model's config in the name: a --work folder shared between calls must not serve another model
         digest = hashlib.sha1(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:8]
         name = f"{tag}-{sizes.replace(',', '_') if sizes else mb}-{digest}"
@@ -221,7 +227,8 @@ class Bench:
         if not path.exists():
             rc, out = self.sh([sys.executable, "-m", "partitioner.profiler", "--model", "gpt", "--model-args",
                                json.dumps(cfg), *at, "--device", self.device, "--dtype", self.dtype,
-                               "-o", str(path)], self.work / f"profile-{name}.log")
+                               "-o", str(path)], self.work / f"profile-{name}.log",
+                              {"PIPEFLOW_GRAD_ACCUM": accum} if accum else None)
             if rc != 0:
                 print(f"  pipeflow-profile failed (rc {rc}): {out.strip().splitlines()[-1:]}", flush=True)
                 return None
@@ -268,7 +275,7 @@ class Bench:
     def pf(self, schedule: str, mb: int, m: int, split: str, big: bool = False, sub: bool = False,
            mem_gib: float | None = None, sizes: str | None = None, trace: bool = False, cal: bool = False,
            timing: str = "default", warmup: str | None = None, straight: bool = False,
-           p2p: str | None = None) -> None:
+           p2p: str | None = None, accum: str | None = None) -> None:
         """A pipeflow-train row. With `sizes` (a gb row) the profile holds those microbatch sizes and
         pipeflow-plan --global-batch picks b, m and the split; mb and m are then what it picked."""
         cfg = self.big if big else self.gpt
@@ -279,13 +286,13 @@ class Bench:
         tag = (f"{'big-' if big else ''}{'sub-' if sub else ''}{schedule}-{shape}-{split.replace(',', '_')}"
                + (f"-mem{mem_gib:g}" if mem_gib is not None else "") + (f"-{timing}" if timing != "default" else "")
                + (f"-warmup{warmup.replace(',', '_')}" if warmup else "") + ("-straight" if straight else "")
-               + (f"-{p2p}" if p2p else "") + ("-trace" if trace else ""))
+               + (f"-{p2p}" if p2p else "") + (f"-accum{accum}" if accum else "") + ("-trace" if trace else ""))
         name = f"pipeflow {schedule}" + (" (large model)" if big else "") + (", sublayers" if sub else "")
         flags = ["--schedule", schedule] + (["--warmup", warmup] if warmup else [])
         predicted, calibrated, shown, path, prof = None, None, split, None, None
         if split != "spot":
             kind = ("big" if big else "gpt") + ("-sub" if sub else "")
-            prof = self.profile(cfg, mb, kind, sizes=sizes, timing=timing)
+            prof = self.profile(cfg, mb, kind, sizes=sizes, timing=timing, accum=accum)
             path, shown = (self.plan(prof, schedule, m, split, tag, mem_gib=mem_gib, global_batch=sizes is not None,
                                      warmup=warmup, straight=straight)
                            if prof else (None, "no profile"))
@@ -313,7 +320,8 @@ class Bench:
         if trace:
             trace_path.unlink(missing_ok=True)  # never an earlier call's (--work shared)
             cmd += ["--trace", str(trace_path)]
-        rc, out = self.sh(cmd, self.work / f"pf-{tag}.log", {"PIPEFLOW_P2P": p2p} if p2p else None)
+        env = {**({"PIPEFLOW_P2P": p2p} if p2p else {}), **({"PIPEFLOW_GRAD_ACCUM": accum} if accum else {})}
+        rc, out = self.sh(cmd, self.work / f"pf-{tag}.log", env)
         if trace and rc == 0 and trace_path.exists():
             for line in breakdown(json.loads(trace_path.read_text()), skip=max(1, self.a.steps // 3)):
                 print(f"BREAKDOWN {tag} {line}", flush=True)
@@ -336,6 +344,8 @@ class Bench:
             how += ", --straight"
         if p2p:
             how += f", PIPEFLOW_P2P={p2p}"
+        if accum:
+            how += f", PIPEFLOW_GRAD_ACCUM={accum}"
         if trace:
             how += ", --trace" + (" (calibrates the later rows)" if cal else "")
         self.add(name, how + (f" {shown}" if shown != split else "") + note, self.n, rc, out, cfg,
@@ -402,19 +412,20 @@ class Bench:
                     mem = [float(x[4:]) for x in extra if x.startswith("mem=")]
                     warm = [x[7:] for x in extra if x.startswith("warmup=")]
                     p2p = [x[4:] for x in extra if x.startswith("p2p=")]
+                    accum = [x[6:] for x in extra if x.startswith("accum=")]
                     bad = [x for x in extra if x not in ("sub", "trace", "cal", "straight", *TIMED)
-                           and not x.startswith(("mem=", "warmup=")) and x not in P2P_WORDS]
+                           and not x.startswith(("mem=", "warmup=")) and x not in P2P_WORDS + ACCUM_WORDS]
                     if (bad or ((mem or "straight" in extra) and w[4] != "plan")
                             or (w[4] == "spot" and {"cal", *TIMED} & set(extra))
-                            or len(set(TIMED) & set(extra)) > 1 or len(warm) > 1 or len(p2p) > 1):
+                            or len(set(TIMED) & set(extra)) > 1 or len(warm) > 1 or len(p2p) > 1 or len(accum) > 1):
                         raise ValueError(f"after the split a {w[0]} row takes 'sub', 'trace', 'cal', one of "
                                          f"{', '.join(TIMED)} (not with 'spot'), 'warmup=W', one of "
-                                         f"{', '.join(P2P_WORDS)} and, with 'plan', 'mem=GIB' and 'straight'; "
-                                         f"found {' '.join(extra)!r}")
+                                         f"{', '.join(P2P_WORDS)}, one of {', '.join(ACCUM_WORDS)} and, with "
+                                         f"'plan', 'mem=GIB' and 'straight'; found {' '.join(extra)!r}")
                     self.pf(w[1], int(w[2]), int(w[3]), w[4], big=w[0] == "big", sub="sub" in extra,
                             mem_gib=mem[0] if mem else None, trace="trace" in extra, cal="cal" in extra,
                             timing=_timing(extra), warmup=warm[0] if warm else None, straight="straight" in extra,
-                            p2p=p2p[0] if p2p else None)
+                            p2p=p2p[0] if p2p else None, accum=accum[0] if accum else None)
                 elif w[0] == "gb":
                     extra = w[3:]
                     mem = [float(x[4:]) for x in extra if x.startswith("mem=")]
