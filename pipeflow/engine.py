@@ -17,7 +17,7 @@ from pipeflow.receives import ForwardReceives
 from pipeflow.reduce import find_ties
 from pipeflow.schedule import Action, Kind, Schedule, generate
 from pipeflow.spec import ModelSpec
-from pipeflow.split import gemm_accumulation
+from pipeflow.split import gemm_accumulation, linear_notes
 from pipeflow.stage import Stage, mark_requires_grad
 from pipeflow.stash import segment_policy
 
@@ -48,10 +48,10 @@ class Engine:
                        for k, st in enumerate(plan.stages) if k % self.S == self.s}
         self.stage = self.stages[self.s]  # the first (with one stage per rank, the only) chunk here
         self.split = Kind.W if self.kind.split_backward else Kind.B  # zero bubble: B defers weight GEMMs to W
-        linears = sum(len(c.linear_backward(split=self.kind.split_backward, fuse=gemm_accumulation()))
-                      for c in self.stages.values())
-        if self.kind.split_backward:
-            log.info("%s: B defers the weight gradients of %d nn.Linear module(s) to W (split.py)", schedule, linears)
+        fuse = gemm_accumulation()
+        linears = sum(len(c.linear_backward(split=self.kind.split_backward, fuse=fuse)) for c in self.stages.values())
+        for line in linear_notes(linears, split=self.kind.split_backward, fuse=fuse):
+            log.info("%s: %s", schedule, line)
         # Once: walking the modules takes ~0.1 ms on 14 GPT blocks, read at every update (32 a step under async at
         # microbatch 2); the objects never change (checkpoints load into them; the stash binds copies in a forward).
         live: dict[int, torch.nn.Parameter] = {}

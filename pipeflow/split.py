@@ -53,6 +53,13 @@ def gemm_accumulation(environ: Mapping[str, str] = os.environ) -> bool:
     return text == "gemm"
 
 
+def linear_notes(n: int, *, split: bool, fuse: bool) -> list[str]:
+    """The log lines saying what `n` nn.Linear modules of a rank do with their weight gradients."""
+    return ([f"B defers the weight gradients of {n} nn.Linear module(s) to W (split.py)"] if split else []) + (
+        [f"{n} nn.Linear module(s) add their weight gradients into .grad inside the GEMM (PIPEFLOW_GRAD_ACCUM=gemm)"]
+        if fuse else [])
+
+
 class WeightGradStore:
     """The deferred weight GEMMs of one stage, per microbatch (the W passes not run yet); `fuse`: weight
     gradients are added into .grad by their GEMM where nothing observes the accumulation."""
@@ -227,6 +234,6 @@ def time_split_backward(layer: nn.Module, x: Any, timer: Callable[[Callable[[], 
         store.clear()
         uninstall(layer)
         for name, m in layer.named_modules():
-            if before.get(name) is not None:  # installed before (e.g. fused accumulation): as it was
-                install(m, before[name])
+            if (previous := before.get(name)) is not None:  # installed before (e.g. gemm accumulation): as it was
+                install(m, previous)
     return statistics.median(b_ms), statistics.median(w_ms)

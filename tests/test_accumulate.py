@@ -4,9 +4,11 @@ hooks still see every microbatch, a replica reducer still overlaps its all-reduc
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +19,11 @@ from pipeflow import config, split
 from pipeflow.api import Pipeline
 from pipeflow.split import WeightGradStore, install
 from tests import api_user_loop
+from tests.conftest import Case, MpiRun, batched
+from tests.reference import reference_flush
 from tests.test_split import Mixed, _grads, _loss
+
+GPT = {"layers": 2, "d_model": 16, "heads": 2, "seq_len": 8, "vocab": 256}
 
 
 @pytest.fixture
@@ -161,3 +167,28 @@ def test_the_profiler_times_the_split_of_a_layer_that_accumulates_in_the_gemm_an
                                       lambda fn: float(fn() is None), warmup=0, repeats=1)
     assert times == (1.0, 1.0)
     assert all(type(m) is split.SplitLinear and m.__dict__["_split_store"] is store for m in (layer[0], layer[2]))
+
+
+def replicated_gemm(d: Path) -> Case:
+    """1f1b on 2 stages x 2 replicas with the GEMMs accumulating: the reducer's last backward overlaps."""
+    plan = {"format": "pipeflow.plan/1", "schedule": "1f1b", "microbatches": 4, "workers": 4,
+            "stages": [{"layers": [0, 2], "replicas": 2, "ranks": [0, 1]},
+                       {"layers": [2, 4], "replicas": 2, "ranks": [2, 3]}]}
+    (d / "plan.json").write_text(json.dumps(plan))
+    return Case(4, ["--model", "gpt", "--model-args", json.dumps(GPT), "--plan", str(d / "plan.json"),
+                    "--steps", "3", "--microbatch-size", "2", "--optimizer", "sgd", "--lr", "0.05",
+                    "--momentum", "0.9", "--dtype", "float64", "--device", "cpu", "--save", str(d / "model.pt")],
+                env={"PIPEFLOW_LOG": "INFO", "PIPEFLOW_GRAD_ACCUM": "gemm"})
+
+
+@batched(replicated_gemm)
+def test_replicated_1f1b_accumulating_in_the_gemm_equals_single_process(mpi: MpiRun) -> None:
+    # Each rank: its blocks' 4 nn.Linear modules (stage 0: 1 block; stage 1: 1 block and the head's).
+    assert mpi.proc.stderr.count("1f1b: 4 nn.Linear module(s) add their weight gradients into .grad inside the "
+                                 "GEMM (PIPEFLOW_GRAD_ACCUM=gemm)") == 2
+    assert mpi.proc.stderr.count("1f1b: 5 nn.Linear module(s) add their weight gradients") == 2
+    got = torch.load(mpi.dir / "model.pt", weights_only=True)
+    want = reference_flush("gpt", GPT, steps=3, microbatches=4, microbatch_size=2, optimizer="sgd", lr=0.05,
+                           momentum=0.9)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-11, msg=k)
