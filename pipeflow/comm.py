@@ -20,6 +20,7 @@ from pipeflow.cesetup import setup as setup_copy_engines
 from pipeflow.control import META_TAG  # the shape/dtype messages; MPI keeps one (source, tag)'s in order
 from pipeflow.cudaenv import eager_cuda_modules
 from pipeflow.hostmem import keep_freed_host_memory
+from pipeflow.turns import Turns
 
 log = logging.getLogger(__name__)
 
@@ -188,10 +189,11 @@ class P2P:
 
     def _group(self, src: int, dst: int, direction: str) -> Any:
         try:
-            return self.groups[(src, dst, direction)]
+            group = self.groups[(src, dst, direction)]
         except KeyError:
             raise RuntimeError(f"no channel {src}->{dst} ({direction}) was set up: the plan and the schedule "
                                "disagree about which ranks talk") from None
+        return group.take() if isinstance(group, Turns) else group  # the message's group (links.make_links)
 
     def send(self, tensors: list[torch.Tensor], dst: int, direction: str, signature: Any = None) -> None:
         """Non-blocking send; with a signature, first send the shapes if this channel has not seen it."""
@@ -251,15 +253,12 @@ class P2P:
             return
         self.ce = setup_copy_engines(self.world, list(self.groups), p2p_transport())
         probe = torch.zeros(1, device=self.world.device)
-        for (src, dst, d), group in self.groups.items():
-            if self.ce and self.ce.has((src, dst, d)):
+        for src, dst, d in self.groups:
+            if (self.ce and self.ce.has((src, dst, d))) or self.world.rank not in (src, dst):
                 continue
-            if self.world.rank == src:
-                works = _batched(dist.isend, [probe], dst, group)
-            elif self.world.rank == dst:
-                works = _batched(dist.irecv, [probe], src, group)
-            else:
-                continue
+            group = self._group(src, dst, d)  # both ends: the probe is each channel's first message
+            works = (_batched(dist.isend, [probe], dst, group) if self.world.rank == src
+                     else _batched(dist.irecv, [probe], src, group))
             for w in works:
                 w.wait()
             if self.world.device.type == "cuda":
