@@ -414,3 +414,13 @@ def mpi(request: pytest.FixtureRequest, _mpi_batches: Batches) -> MpiRun:
             raise AssertionError(f"case {i + 1} of {len(run.procs)}: {' '.join(map(str, proc.args))} exited "
                                  f"{proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return run
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[Any]:
+    """A gloo world of one in this process: the reducer's collectives run, the sums are the inputs."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

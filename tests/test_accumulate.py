@@ -104,15 +104,6 @@ def test_zero_bubble_w_adds_in_the_gemm_once_gradients_exist(gemm_calls: list[bo
     assert gemm_calls == [False, False, True, True, True, True]
 
 
-@pytest.fixture
-def one_rank_group():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def test_an_armed_reducer_overlaps_its_buckets_with_gemm_accumulation(one_rank_group, gemm_calls: list[bool]) -> None:
     """Between arms the reducer holds no hooks, so the GEMMs accumulate; the armed (last) backward goes through
     autograd's AccumulateGrad, whose hooks launch every bucket during that backward."""

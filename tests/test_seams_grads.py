@@ -282,14 +282,7 @@ def test_async_data_parallel_replicas_average_their_gradients(mpi: MpiRun):
 # ------------------------------------------------------------------ the reducer in one process
 
 
-@pytest.fixture
-def one_rank_group():
-    """A gloo world of one in this process: the reducer's collectives run, the sums are the inputs."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
+# one_rank_group (tests/conftest.py): a gloo world of one in this process.
 
 
 def test_reducer_launches_during_backward_only_what_is_final(one_rank_group):
