@@ -7,12 +7,13 @@ the first adds its weight gradients into `.grad`. Autograd computes each into a 
 H100 that made the backward of 13 GPT blocks (d 2048, bf16) 2.4 ms slower than into no gradients at microbatch 8
 (+5.6%) and 1.8 ms at microbatch 2 (+15%). With `gemm` the weight GEMM adds it itself (beta = 1, Megatron-LM's
 gradient accumulation fusion), in B and in W alike, which took back 1.7 and 1.1 ms of those. It costs host time
-(a Python autograd Function per nn.Linear, forward and backward), so it pays only where the GPU, not the host,
-sets the pace: 1f1b on 2 H100s ran 2.7% faster at microbatch 4 and 18% slower at microbatch 2
-(benchmarks/gpu/README.md). Only where nothing observes the accumulation: the weight already has a `.grad` of
-the gradient's dtype and no gradient hooks (a replica reducer registers its hooks only for the backward it
-listens to, pipeflow/reduce.py); elsewhere autograd accumulates as before. The sum is rounded once instead of
-twice, so results differ from autograd's in the last bits.
+(a Python autograd Function per nn.Linear, forward and backward, called through the C apply: about 4.5 µs per
+call on the 2-core CPU machine, 8.7 before), so it pays only where the GPU, not the host, sets the pace: 1f1b on
+2 H100s ran 2.7% faster at microbatch 4 and 18% slower at microbatch 2 (benchmarks/gpu/README.md). Only where
+nothing observes the accumulation: the weight already has a `.grad` of the gradient's dtype and no gradient hooks
+(a replica reducer registers its hooks only for the backward it listens to, pipeflow/reduce.py); elsewhere
+autograd accumulates as before. The sum is rounded once instead of twice, so results differ from autograd's in
+the last bits.
 
 Which layers split: every `nn.Linear` instance (exactly that type) of a stage whose forward runs through its own
 `forward`. Its autograd Function's backward returns the input gradient and the bias gradient (cheap) at once;
@@ -25,8 +26,10 @@ fused backward would give them. That is the ZB reference's WeightGradStore, for 
 What falls back to the fused backward in B: every other module with parameters (LayerNorm, Embedding, Conv,
 ...); subclasses of nn.Linear and parameters used outside `Linear.forward` (nn.MultiheadAttention's
 `out_proj`, whose weight the attention reads directly); a Linear whose weight is not a leaf (a
-parametrization) or that runs under autocast. A tied weight used by a split Linear and by another module gets
-its Linear share in W and the rest in B; both add into the one `.grad`.
+parametrization) or that runs under autocast or a torch.func transform (grad, vmap: they differentiate the
+plain F.linear). A tied weight used by a split Linear and by another module gets its Linear share in W and the
+rest in B; both add into the one `.grad`. The Function's backward is made of differentiable ops, so a loss that
+holds its own gradient (create_graph: a gradient penalty, a physics-informed loss) differentiates through it.
 """
 from __future__ import annotations
 
@@ -39,7 +42,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_leaves
 
 ACCUMULATIONS = ("autograd", "gemm")
@@ -134,19 +136,27 @@ class _SplitLinearFn(torch.autograd.Function):
         return F.linear(x, weight, bias)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # Not once_differentiable: every op here is differentiable, so a double backward (create_graph) is
+        # tracked through it; accumulate_into never adds into .grad while grad mode is on.
         x, weight = ctx.saved_tensors
-        gx = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
-        gb = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        need_x, need_w, need_b, _ = ctx.needs_input_grad
+        gx = grad_out.matmul(weight) if need_x else None
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        gb = g2.sum(0) if ctx.has_bias and need_b else None
         gw = None
-        if ctx.needs_input_grad[1]:
+        if need_w:
             store = ctx.store
             if store.current is not None:
                 store.record(ctx.weight, x, grad_out)  # W computes it
-            elif not (store.fuse and accumulate_into(ctx.weight, x, grad_out)):
-                gw = weight_grad(x, grad_out)  # outside a B (a plain backward): autograd accumulates it
+            elif not (store.fuse and accumulate_into(ctx.weight, x, g2)):
+                gw = g2.t().mm(x.reshape(-1, x.shape[-1]))  # outside a B (a plain backward): autograd accumulates
         return gx, gw, gb, None
+
+
+# The C apply, without Function.apply's Python layer (functorch's wrapper unwrapping, setup_context binding: a
+# third of the Function's host time per call); SplitLinear takes the plain F.linear under torch.func transforms.
+_APPLY = super(torch.autograd.Function, _SplitLinearFn).apply
 
 
 LINEAR_NODE = _SplitLinearFn._backward_cls  # its graph node: a Python Function that runs no nested backward
@@ -160,10 +170,11 @@ class SplitLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         store = self.__dict__.get("_split_store")
-        if (store is None or not self.weight.is_leaf or torch.is_autocast_enabled(x.device.type)
-                or not torch.is_grad_enabled()):
-            return F.linear(x, self.weight, self.bias)
-        return _SplitLinearFn.apply(x, self.weight, self.bias, store)
+        weight, bias = self._parameters.get("weight"), self._parameters.get("bias")
+        if (store is None or not torch.is_grad_enabled() or weight is None or not weight.is_leaf
+                or torch.is_autocast_enabled(x.device.type) or torch._C._are_functorch_transforms_active()):
+            return F.linear(x, self.weight, self.bias)  # torch.func transforms (grad, vmap) differentiate it natively
+        return _APPLY(x, weight, bias, store)
 
 
 def splittable(module: nn.Module) -> bool:
