@@ -1,20 +1,18 @@
 """`python -m partitioner.calibrate`: the runtime's own costs on this machine, read from a traced run (issue 13).
 
-A profile times the layers alone; a rank under mpirun also spends time of its own on every action: Python
-dispatch of the engine and the stage (posting receives, reading the microbatch, seeding the layers,
-hooks), the layers running slower in a stage than alone (caches), and the send of every activation and
-gradient (on CPU, gloo's send writes the socket from the calling thread and waits while the receiver's
-I/O thread is not scheduled). With small layers that is half of the step (benchmarks/planner/README.md,
-"Accuracy"). Both are read from the Chrome trace of `pipeflow-train --trace` on the plan of the profile:
+A profile times the layers alone; a rank under mpirun also spends time of its own on every action (Python
+dispatch, the layers running slower in a stage than alone, the send of every activation and gradient: on CPU
+gloo's send writes the socket from the calling thread). With small layers that is half of the step
+(benchmarks/planner/README.md, "Accuracy"). Both are read from the Chrome trace of `pipeflow-train --trace`:
 
     message_ms = median duration of the SEND_F / SEND_B spans (the sender's time per message)
     action_ms  = median over ranks and steps of (own - n * profiled) / (2 n)
 
 where a rank's `own` time in a step is its F, B and W spans plus the gaps between its spans (dispatch),
-its WAIT, SEND and STEP spans excluded, n its forwards in the step, and `profiled` its stage's forward +
-backward per microbatch from the profile (as the planner counts them for the plan's schedule). On a plan
-with replicas (data parallelism) it also reads the all-reduce's bandwidth between ranks, on CPU gloo's
-over loopback, far from the 10 GB/s default topology:
+its WAIT, SEND and STEP spans excluded (and on a replicated stage what its last backward took beyond its
+others: the all-reduce runs beside it, priced below), n its forwards in the step, and `profiled` its stage's
+forward + backward per microbatch as the planner counts them. On a plan with replicas it also reads the
+all-reduce's bandwidth between ranks (on CPU gloo's over loopback, far from the default topology):
 
     link_bandwidth = 2 (r-1)/r * P / (last B + STEP - optimizer step)   (bytes/s)
 
@@ -25,13 +23,10 @@ agreement) is read as a latency per message:
 
     latency_ms = the value at which the simulated step time of the plan equals the traced one
 
-(bisection; 0 when the simulation is already as slow). What a rank spends between two steps outside every
-span (the loss report of --log-every, the step loop) is read as
-
-    step_gap_ms = the mean over ranks and steps of that time
-
-and several traced runs can be read together (`--also PROFILE PLAN TRACE`, each on its own profile): a rank's
-own time per microbatch is then fitted as
+(bisection; 0 when the simulation is already as slow); `step_gap_ms` is the mean time a rank spends between
+two steps outside every span (the loss report of --log-every, the step loop). Several traced runs can be read
+together (`--also PROFILE PLAN TRACE`, each on its own profile): a rank's own time per microbatch is then
+fitted as
 
     own = compute_factor * profiled + 2 action_ms + 2 layer_ms * layers
 
@@ -48,13 +43,9 @@ STEP holds no all-reduce): per step the least any rank's STEP took beyond its pr
 rank that reached its STEP last waited there for no other: the non-finite check and the ranks' agreement
 themselves), the median over steps.
 
-The first `--skip` steps (warm-up) are left out. The numbers go into profile.json (`action_ms`, `message_ms`,
-`link_bandwidth`, `latency_ms`, `step_gap_ms`, `compute_factor`, `layer_ms`, `update_ms`); the planner adds
-the first two to every stage (costmodel.LayerCosts.stage_overhead_ms), plans on the third without
---topology, the simulator delays every message by the fourth (off the links) and adds the fifth once a step,
-the layers' times are multiplied by the sixth, the seventh is added per layer of a stage to each of its
-forwards and backwards, and the eighth to every optimizer step of a rank. They are properties of the machine
-and the runtime: the calibration runs serve the other models planned on that machine."""
+The first `--skip` steps (warm-up) are left out. The numbers go into profile.json as optional fields
+(docs/formats.md, docs/calibration.md: where the planner and the simulator add each). They are properties
+of the machine and the runtime: the calibration runs serve the other models planned on that machine."""
 from __future__ import annotations
 
 import argparse
@@ -133,6 +124,8 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
                     continue
                 n = sum(kind == "F" for kind, _, _ in spans)
                 own = sum(end - start for kind, start, end in spans if kind in OWN)
+                if st.replicas > 1:
+                    own -= _reduce_overlap(spans)
                 after = [(prev[0], max(0.0, nxt[1] - prev[2])) for prev, nxt in zip(spans, spans[1:])]
                 own += sum(gap for kind, gap in after if kind != "STEP")  # a gap after an update is the update's
                 sends += [end - start for kind, start, end in spans if kind in SENDS]
@@ -181,6 +174,12 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
         out["latency_ms"] = statistics.median(_latency_ms(prof, pl, out, period, optimizer)
                                               for prof, pl, period in periods)
     return out
+
+
+def _reduce_overlap(spans: list[tuple[str, float, float]]) -> float:
+    """A replicated rank's last backward beyond its others' median (the all-reduce beside it: link_bandwidth)."""
+    bs = [end - start for kind, start, end in spans if kind == "B"]
+    return max(0.0, bs[-1] - statistics.median(bs[:-1])) if len(bs) > 1 else 0.0
 
 
 def _fit(groups: list[tuple[tuple[int, int], float, float]]) -> dict[str, float] | None:

@@ -6,7 +6,10 @@ What the replay charges, as the runtime does it (pipeflow/comm.py, pipeflow/redu
   send port and the receiver's receive port for bytes / bandwidth of the lowest topology level that holds
   both, so all transfers through a worker share its bandwidth (three replicas feeding one worker queue at
   its receive port), and reaches the receiver StageCost.latency_ms later (calibrated; 0 by default). Sends
-  are non-blocking: they overlap compute. Ports serve messages in time order;
+  are non-blocking: they overlap compute. The transfer starts with the sender's own time for the message
+  (StageCost.message_ms, calibrated: the end of the F or B that sends it), so the receiver has it after the
+  longer of the two, not their sum (on CPU gloo writes the message in that time). Ports serve messages in
+  time order;
 - STEP: the replicas' ring all-reduce (2 (r-1)/r * P / B per topology level) is bucketed into the last
   backward, so it starts when every replica has started its last backward and ends no earlier than it
   ends; then the local optimizer step.
@@ -44,6 +47,8 @@ class StageCost:
     output_bytes: float = 0.0
     weight_ms: float = 0.0  # the W share of backward_ms, run apart where the schedule splits the backward
     latency_ms: float = 0.0  # each message's delay beyond bytes / bandwidth, after which the receiver has it
+    message_ms: float = 0.0  # the sender's own time per message, the end of the F (B) that sends it: the
+    # transfer starts with it (a send the calling thread writes, gloo's, holds the transfer in that time)
 
 
 @dataclass
@@ -116,6 +121,7 @@ def replay(sched: Schedule, stages: Sequence[StageCost], *, ranks: Sequence[Sequ
     busy, live, peak = [0.0] * n, [0] * n, [0] * n
     steps = [0] * n
     last_b = [0.0] * n  # start of the worker's latest backward
+    last: list[tuple[Kind, int | None, int] | None] = [None] * n  # the worker's latest F, B or W (kind, mb, stage)
     step_in: dict[tuple[int, int], dict[int, tuple[float, float]]] = {}
     step_end: dict[tuple[int, int], float] = {}
     intervals: list[Interval] = []
@@ -145,6 +151,7 @@ def replay(sched: Schedule, stages: Sequence[StageCost], *, ranks: Sequence[Sequ
                 dur = (cost.forward_ms if kind is Kind.F else cost.weight_ms if kind is Kind.W
                        else cost.backward_ms - cost.weight_ms if split else cost.backward_ms)
                 clock[w] = start + dur
+                last[w] = (kind, i, s)
                 busy[w] += dur
                 if kind is Kind.F:
                     live[w] += 1
@@ -164,10 +171,13 @@ def replay(sched: Schedule, stages: Sequence[StageCost], *, ranks: Sequence[Sequ
                 t = s + 1 if kind is Kind.SEND_F else s - 1
                 peer = base[t % S] + i % reps[t % S]  # stage t runs on group t mod S
                 d = msg(w, peer, min(s, t))
-                t0 = max(clock[w], send_free[w], recv_free[peer])
+                made = (Kind.F if kind is Kind.SEND_F else Kind.B, i, s)  # the action whose end sends it
+                sent = cost.message_ms if last[w] == made else 0.0
+                t0 = max(clock[w] - sent, send_free[w], recv_free[peer])
                 send_free[w] = recv_free[peer] = t0 + d
                 key = (peer, kind.direction, t, i)
-                arrival[key] = got_at = t0 + d + stages[min(s, t)].latency_ms  # latency: off the ports
+                # latency: off the ports; never before the sender is done with it
+                arrival[key] = got_at = max(t0 + d, clock[w]) + stages[min(s, t)].latency_ms
                 if key in parked:
                     del parked[key]
                     heapq.heappush(heap, (max(clock[peer], got_at), peer))

@@ -309,3 +309,30 @@ def test_a_flush_schedules_update_is_read_on_the_rank_that_waited_for_no_other()
     both = calibrate(profile(), plan, trace(spans, 5, period=8.0), skip=2,
                      also=[(profile(), async_plan, trace(one, 5, period=12.0))])
     assert both["update_ms"] == pytest.approx((0.5 + 1.5 + 0.5) / 2)
+
+
+def test_a_replicas_last_backward_beside_its_all_reduce_is_not_read_as_its_own_time() -> None:
+    # As above, two microbatches on the data-parallel ranks, whose last backward runs 3 ms longer beside the
+    # replicas' all-reduce (link_bandwidth prices that time): read as the other backwards, the same two costs.
+    small, plan = sized(1.0), straight("gpipe", 1)
+    replicas = Plan("gpipe", 2, 2, [StagePlan((0, 2), 2, [0, 1])])
+    dp = trace({r: [("F0", 0.0, 2.7), ("F1", 2.7, 2.7), ("B0", 5.4, 2.7), ("B1", 8.1, 5.7), ("STEP", 13.8, 1.0)]
+                for r in (0, 1)}, 5)
+    found = calibrate(small, plan, trace(own_spans(2.8), 5), skip=2, also=[(small, replicas, dp)])
+    assert (found["action_ms"], found["layer_ms"]) == pytest.approx((0.1, 0.3))
+
+
+@pytest.mark.parametrize(("link_ms", "step_ms", "summed_ms"), [(0.3, 7.0, 7.6), (0.8, 7.6, 8.6)])
+def test_a_transfer_starts_with_the_senders_own_time_for_the_message(link_ms: float, step_ms: float,
+                                                                    summed_ms: float) -> None:
+    # gpipe, one microbatch through two stages, 0.5 ms of each sending action the sender's time for its message
+    # (calibrated message_ms, gloo writing it). Stage 0's forward [0, 1.5] starts the transfer at 1.0: stage 1
+    # has it at max(1.0 + link, 1.5); its backward ends 3.5 later and its gradient reaches stage 0 the same way,
+    # whose backward takes 2. Without the overlap each message would take 0.5 + link after its compute began
+    # to send it: 7.6 and 8.6 ms.
+    from partitioner.simulate import StageCost, simulate
+
+    stages = [StageCost(1.5, 2.0, send_ms=link_ms, message_ms=0.5), StageCost(1.0, 2.5, message_ms=0.5)]
+    assert simulate("gpipe", stages, microbatches=1).step_ms == pytest.approx(step_ms)
+    plain = [StageCost(1.5, 2.0, send_ms=link_ms), StageCost(1.0, 2.5)]
+    assert simulate("gpipe", plain, microbatches=1).step_ms == pytest.approx(summed_ms)
