@@ -150,7 +150,7 @@ class _SplitLinearFn(torch.autograd.Function):
             if store.current is not None:
                 store.record(ctx.weight, x, grad_out)  # W computes it
             elif not (store.fuse and accumulate_into(ctx.weight, x, g2)):
-                gw = g2.t().mm(x.reshape(-1, x.shape[-1]))  # outside a B (a plain backward): autograd accumulates
+                gw = weight_grad(x, g2)  # outside a B (a plain backward): autograd accumulates it
         return gx, gw, gb, None
 
 
