@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.jsonfile import check_fields, read_json, write_json
+from pipeflow.kinds import WARMUP_SCHEDULES
 from pipeflow.schedule import SCHEDULES, schedule_kind
 
 PLAN_FORMAT = "pipeflow.plan/1"
@@ -112,7 +113,7 @@ class Plan:
         warmup = self.extra.get("warmup")
         if warmup is not None:
             if not schedule_kind(self.schedule).warmup_applies:
-                raise PlanError(f"plan.warmup applies to schedule 1f1b only, found {self.schedule!r}")
+                raise PlanError(f"plan.warmup applies to schedule {WARMUP_SCHEDULES} only, found {self.schedule!r}")
             if (not isinstance(warmup, list) or len(warmup) != self.groups
                     or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in warmup)):
                 raise PlanError(f"plan.warmup must be {self.groups} non-negative integers (forwards before the "

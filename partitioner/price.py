@@ -64,7 +64,7 @@ def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int,
 @dataclass
 class Priced:
     """A plan as the search prices it: its stages' costs, its simulation and the warm-up it runs with (1f1b's
-    forwards before the first backward per stage; None: the schedule's minimum)."""
+    and 2bw's forwards before the first backward per stage; None: the schedule's minimum)."""
 
     costs: list[StageCost]
     sim: SimResult
@@ -74,8 +74,8 @@ class Priced:
 def price(lay: LayerCosts, topology: Topology, schedule: str, microbatches: int,
           ranges: Sequence[tuple[int, int]], ranks: Sequence[Sequence[int]], *, optimizer: str,
           keep_timeline: bool = False, warmup: Sequence[int] | None = None) -> tuple[list[StageCost], SimResult]:
-    """Stage costs and the simulation of the plan (ranks per stage in replica order); `warmup` (1f1b): the
-    forwards before the first backward per stage, None for the schedule's minimum."""
+    """Stage costs and the simulation of the plan (ranks per stage in replica order); `warmup` (1f1b, 2bw):
+    the forwards before the first backward per stage, None for the schedule's minimum."""
     costs = stage_costs(lay, topology, ranges, ranks)
     # Stage k on the ranks of stage k mod S (chunks placed round-robin, partitioner/plan.py): v = stages / S.
     groups = next((k for k in range(1, len(ranks)) if list(ranks[k]) == list(ranks[0])), len(ranks))

@@ -89,7 +89,7 @@ def build(name: str, stages: int, microbatches: int, replicas: Sequence[int], *,
           minibatch: int | None = None, virtual_stages: int = 1, warmup: Sequence[int] | None = None) -> Schedule:
     """The generated schedule, as pipeflow.schedule.generate builds it, without its validation and dry run
     (the generators are tested; the replay below detects a deadlock itself). `stages` counts rank groups;
-    `warmup` (1f1b): forwards before the first backward per rank group, None for the schedule's minimum."""
+    `warmup` (1f1b, 2bw): forwards before the first backward per rank group, None for the schedule's minimum."""
     sched = _Schedule(name, stages, microbatches, tuple(replicas), virtual_stages=virtual_stages)
     sched.actions = add_communication(sched, compute_orders(sched, minibatch=minibatch, warmup=warmup))
     return sched
@@ -248,7 +248,7 @@ def _stage_peaks(sched: Schedule, stages: Sequence[StageCost], peak: list[int], 
     for s in range(len(stages)):
         n = max(peak[w] for w in range(len(stage_of)) if stage_of[w] == s % S)
         mine = stages[s % S::S]
-        # Weight stashing (PipeDream §3.3): a version per in-flight microbatch; 2BW: two versions.
+        # Copies of the weights beside the live ones, as stash.py holds them (ScheduleKind.stashed_versions).
         weights = sum(c.parameter_bytes for c in mine) * (2 + OPTIMIZER_STATES[optimizer] + kind.stashed_versions(n))
         mem.append(weights + n * max(c.activation_bytes for c in mine))
         fl.append(n)
@@ -264,7 +264,7 @@ def simulate(schedule: str, stages: Sequence[StageCost], replicas: Sequence[int]
     long, with k large enough to fill the pipeline. With `ranks` (per stage, per replica) and `topology`,
     each message takes StageCost.output_bytes at the bandwidth of the level joining its two ranks.
     `virtual_stages` v: the stages are S*v chunks, stage k on rank group k mod S (interleaved). `warmup`
-    (1f1b): forwards before the first backward per rank group (None: the schedule's minimum)."""
+    (1f1b, 2bw): forwards before the first backward per rank group (None: the schedule's minimum)."""
     groups = len(stages) // virtual_stages
     reps = tuple(replicas or (1,) * len(stages))[:groups]
     n_workers = sum(reps)
@@ -279,7 +279,7 @@ def simulate(schedule: str, stages: Sequence[StageCost], replicas: Sequence[int]
         k1 = max(2, math.ceil(2 * n_workers / m))
         runs = []
         for k in (k1, k1 + 2):
-            sched = build(schedule, len(stages), k * m, reps, minibatch=m)
+            sched = build(schedule, len(stages), k * m, reps, minibatch=m, warmup=warmup)
             runs.append(replay(sched, stages, keep_timeline=keep_timeline and k > k1, **kw))  # type: ignore[arg-type]
         (t1, b1, _, _), (t2, b2, iv, peak) = runs
         step, compute = (t2 - t1) / 2, (sum(b2) - sum(b1)) / 2

@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from pipeflow.actions import STEP, Action, B, F, Kind, ScheduleError
 from pipeflow.interleave import interleave_round, interleaved_order  # noqa: F401  (interleave_round: re-exported)
@@ -24,7 +24,6 @@ from pipeflow.warmup import fill_warmup, warmup_forwards  # noqa: F401  (fill_wa
 from pipeflow.zerobubble import zero_bubble_order
 
 DEFAULT_VIRTUAL_STAGES = 2  # model chunks per rank when a round-robin schedule is not told how many
-N = TypeVar("N")  # a count, or a numpy array of counts (the planner's vectorised DP)
 
 
 class Weights(enum.Enum):
@@ -32,7 +31,8 @@ class Weights(enum.Enum):
 
     LIVE = "live"  # the current weights: updates happen only after a flush
     STASH = "stash"  # PipeDream weight stashing: a version per microbatch in flight (SOSP'19 §3.3)
-    DOUBLE_BUFFER = "double buffer"  # PipeDream-2BW: the live weights and one older version
+    DOUBLE_BUFFER = "double buffer"  # PipeDream-2BW: the live weights and one older version (two copies of
+    # them at once on every stage but the last, as the runtime keeps them: stashed_versions)
 
 
 class InFlight(enum.Enum):
@@ -70,7 +70,9 @@ class ScheduleKind:
     agree_every_step: bool  # the failure supervisor's ranks agree at every STEP (else at segment ends)
     replicas_divide_m: bool  # every stage's replica count divides m
     replicas_at_most_m: bool  # m >= every stage's replica count
-    m_at_least_stages_minus_1: bool  # m >= S - 1 (two weight versions suffice)
+    # every replica's share of a minibatch, m // r_s, covers its warm-up forwards w_s (two weight versions
+    # suffice): PipeDream-2BW's m >= S - 1 without replicas, and any --warmup it runs with
+    share_covers_warmup: bool
     # Chunks placed round-robin (--virtual-stages v: S*v model stages, stage k on rank group k mod S; a
     # plan may then list a rank group once per chunk); generates the orders instead of `order`.
     chunk_order: ChunkOrderFn | None = None
@@ -89,7 +91,8 @@ class ScheduleKind:
         """The constraints on m and replicas in words, for the planner's messages ("" if none)."""
         parts = [text for applies, text in ((self.replicas_divide_m, "every stage's replica count must divide m"),
                                             (self.replicas_at_most_m, "m >= every stage's replica count"),
-                                            (self.m_at_least_stages_minus_1, "m >= stages - 1"),
+                                            (self.share_covers_warmup, "m // replicas >= warm-up forwards on "
+                                         "every stage (m >= stages - 1 without replicas)"),
                                             (self.m_multiple_of_stages, "m a multiple of the pipeline's "
                                              "rank groups (at least 2)")) if applies]
         return " and ".join(parts)
@@ -107,27 +110,41 @@ class ScheduleKind:
         """Microbatches one STEP of a stage consumes over its replicas."""
         return replicas if self.step_per_backward else m
 
-    def stashed_versions(self, in_flight: N) -> N | int:
-        """Weight versions kept beside the live weights (memory model), for `in_flight` microbatches (a
-        count or an array of them)."""
+    def stashed_versions(self, in_flight: Any) -> Any:
+        """Copies of the weights kept beside the live ones at peak (memory model), for `in_flight` microbatches
+        (a count or an array of them), as pipeflow/stash.py's VersionBook holds them. A forward whose backward
+        comes after an update runs on a copy, taken before that forward: async holds one per microbatch in
+        flight, none on the last stage (each backward follows its forward); 2bw one on the last stage (the
+        older version) and two elsewhere (the older version, still used by the minibatch's last backwards,
+        and a copy of the live one for the next minibatch's first forwards)."""
         if self.weights is Weights.STASH:
-            return in_flight
-        return 1 if self.weights is Weights.DOUBLE_BUFFER else 0
+            return in_flight * (in_flight > 1)
+        if self.weights is Weights.DOUBLE_BUFFER:
+            return in_flight * 0 + 1 + (in_flight > 1)
+        return 0
 
-    def violation(self, m: int, replicas: Sequence[int]) -> str | None:
+    def violation(self, m: int, replicas: Sequence[int], warmup: Sequence[int] | None = None) -> str | None:
         """Why this schedule cannot run stages with these replica counts at m microbatches (None: it can).
         async: a step per microbatch on every replica, all-reduced, so each replica runs as many: replicas
-        divide m. 2bw (PipeDream-2BW §3.1): every replica owns a share of each minibatch (m >= replicas) and
-        two weight versions suffice (m >= S - 1)."""
+        divide m. 2bw (PipeDream-2BW §3.1): every replica owns a share of each minibatch (m >= replicas), and
+        the share covers the replica's warm-up forwards (`warmup` per stage, None: the schedule's own), so that
+        a minibatch's first forward never needs the update of the minibatch before it: m // r_s >= w_s, which
+        is m >= S - 1 without replicas."""
         reps = list(replicas)
         if self.replicas_divide_m and any(m % r for r in reps):
             return (f"{self.name} needs every stage's replica count to divide the microbatches per step, found "
                     f"replicas {reps} and --microbatches {m}")
         if self.replicas_at_most_m and max(reps) > m:
             return f"{self.name} needs --microbatches >= every stage's replica count, found {m} < {max(reps)}"
-        if self.m_at_least_stages_minus_1 and m < len(reps) - 1:
-            return (f"{self.name} needs --microbatches >= stages - 1 (two weight versions), found {m} microbatches "
-                    f"for {len(reps)} stages")
+        if self.share_covers_warmup:
+            warm = list(warmup) if warmup is not None else [warmup_forwards(reps, s) for s in range(len(reps))]
+            short = [s for s, (r, w) in enumerate(zip(reps, warm)) if m // r < w]
+            if short:
+                s = short[0]
+                return (f"{self.name} needs every replica's share of a minibatch (--microbatches // replicas) to "
+                        f"cover its warm-up forwards (two weight versions), found stage {s} with {reps[s]} "
+                        f"replica(s) and {warm[s]} warm-up forward(s) at {m} microbatches"
+                        + (" (m >= stages - 1 without replicas)" if warmup is None and max(reps) == 1 else ""))
         if self.m_multiple_of_stages and (len(reps) < 2 or m % len(reps)):
             return (f"{self.name} needs at least 2 pipeline rank groups and --microbatches a multiple of their "
                     f"number (Megatron's interleaving), found {m} microbatches for {len(reps)} groups")
@@ -181,6 +198,10 @@ def _2bw(mbs: list[int], microbatches: int, replicas: Sequence[int], stage: int,
         raise ScheduleError(f"2bw: stage {stage} has {replicas[stage]} replicas and minibatches of {minibatch} "
                             f"microbatches over {microbatches} in all; need m >= replicas and m dividing the "
                             "total, so that every replica steps once per minibatch")
+    warm = warmup_forwards(replicas, stage) if warmup is None else warmup
+    if minibatch // replicas[stage] < warm:  # a minibatch's first forward would need the update before it
+        raise ScheduleError(f"2bw: stage {stage} has {replicas[stage]} replica(s) and {warm} warm-up forward(s), more "
+                            f"than its share of a minibatch of {minibatch} microbatches (two weight versions)")
     last = {max(i for i in mbs if i // minibatch == k) for k in {i // minibatch for i in mbs}}
     out: list[Action] = []
     for x in _1f1b_body(mbs, replicas, stage, warmup):
@@ -227,7 +248,7 @@ def _flushed(name: str, order: OrderFn, in_flight: InFlight, *, warmup_applies: 
     return ScheduleKind(name, order, flush=True, step_per_backward=False, mean_over_replicas=False,
                         weights=Weights.LIVE, in_flight=in_flight, warmup_applies=warmup_applies, ties_allowed=True,
                         agree_every_step=True, replicas_divide_m=False, replicas_at_most_m=False,
-                        m_at_least_stages_minus_1=False, split_backward=split_backward)
+                        share_covers_warmup=False, split_backward=split_backward)
 
 
 TABLE: tuple[ScheduleKind, ...] = (
@@ -236,21 +257,22 @@ TABLE: tuple[ScheduleKind, ...] = (
     ScheduleKind("async", _async, flush=False, step_per_backward=True, mean_over_replicas=True,
                  weights=Weights.STASH, in_flight=InFlight.FILL, warmup_applies=False, ties_allowed=False,
                  agree_every_step=False, replicas_divide_m=True, replicas_at_most_m=False,
-                 m_at_least_stages_minus_1=False),
+                 share_covers_warmup=False),
     ScheduleKind("2bw", _2bw, flush=False, step_per_backward=False, mean_over_replicas=False,
-                 weights=Weights.DOUBLE_BUFFER, in_flight=InFlight.FILL, warmup_applies=False, ties_allowed=False,
+                 weights=Weights.DOUBLE_BUFFER, in_flight=InFlight.FILL, warmup_applies=True, ties_allowed=False,
                  agree_every_step=False, replicas_divide_m=False, replicas_at_most_m=True,
-                 m_at_least_stages_minus_1=True),
+                 share_covers_warmup=True),
     ScheduleKind("interleaved", _interleaved_v1, flush=True, step_per_backward=False, mean_over_replicas=False,
                  weights=Weights.LIVE, in_flight=InFlight.INTERLEAVED, warmup_applies=False, ties_allowed=True,
                  agree_every_step=True, replicas_divide_m=False, replicas_at_most_m=False,
-                 m_at_least_stages_minus_1=False, chunk_order=interleaved_order, m_multiple_of_stages=True,
+                 share_covers_warmup=False, chunk_order=interleaved_order, m_multiple_of_stages=True,
                  variants=((('virtual_stages', DEFAULT_VIRTUAL_STAGES),),)),
     _flushed("zb", _zero_bubble(False), InFlight.PIPELINE, warmup_applies=False, split_backward=True),
     _flushed("zb-h2", _zero_bubble(True), InFlight.TWICE_PIPELINE, warmup_applies=False, split_backward=True),
 )
 _BY_NAME = {k.name: k for k in TABLE}
 SCHEDULES = tuple(_BY_NAME)
+WARMUP_SCHEDULES = " and ".join(k.name for k in TABLE if k.warmup_applies)  # for messages: "1f1b and 2bw"
 
 
 def schedule_kind(name: str) -> ScheduleKind:

@@ -13,7 +13,7 @@ import torch
 from partitioner.plan import Plan, PlanError
 from pipeflow.config import TrainConfig
 from pipeflow.failure import UsageError
-from pipeflow.kinds import TABLE, schedule_kind
+from pipeflow.kinds import TABLE, WARMUP_SCHEDULES, schedule_kind
 from pipeflow.spec import ModelSpec
 
 log = logging.getLogger("pipeflow")
@@ -24,11 +24,11 @@ def make_plan(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, mp
     """The plan from --plan; an even or explicit split (--layers-per-stage); otherwise rank 0 profiles
     the layers and runs the planner for this many workers, and every rank gets its plan."""
     plan = _make_plan(args, spec, world_size, rank, mpi)
-    kind = schedule_kind(plan.schedule)
-    if kind.chunk_order is not None:  # checked here, before any process group: one line, exit 2
-        why = kind.violation(plan.microbatches, plan.replicas)
-        if why:
-            raise UsageError(why)
+    # checked here, before any process group: one line, exit 2 (with the plan's warm-up; --warmup's counts
+    # are checked where the schedule is generated)
+    why = schedule_kind(plan.schedule).violation(plan.microbatches, plan.replicas, plan.warmup)
+    if why:
+        raise UsageError(why)
     return plan
 
 
@@ -184,13 +184,22 @@ def resolve_warmup(text: str, plan: Plan) -> list[int] | None:
     if text == "min":
         return least_warmups(plan.replicas) if plan.warmup else None
     if not schedule_kind(plan.schedule).warmup_applies:
-        raise UsageError(f"--warmup {text} applies to --schedule 1f1b only, found {plan.schedule}")
+        raise UsageError(f"--warmup {text} applies to --schedule {WARMUP_SCHEDULES} only, found {plan.schedule}")
     if text == "fill":
         return [fill_warmup(plan.replicas, s) for s in range(len(plan.stages))]
     counts = [int(x) for x in text.split(",")]
     if len(counts) != len(plan.stages):
         raise UsageError(f"--warmup gives {len(counts)} counts but the plan has {len(plan.stages)} stages")
     return counts
+
+
+def check_warmup(text: str, plan: Plan) -> None:
+    """--warmup against the plan, before any process group: the counts it names must suit the schedule (2bw:
+    each replica's share of a minibatch covers its warm-up forwards)."""
+    counts = resolve_warmup(text, plan)
+    why = counts is not None and schedule_kind(plan.schedule).violation(plan.microbatches, plan.replicas, counts)
+    if why:
+        raise UsageError(why)
 
 
 def check_ties(spec: ModelSpec, plan: Plan) -> None:

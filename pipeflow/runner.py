@@ -76,7 +76,7 @@ def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Control, watchdog:
         watchdog.watch(lambda: ce.stalled(args.timeout))
     if pids is not None and engine.warmup is not None:
         how = "the plan's" if args.warmup == "plan" else f"--warmup {args.warmup}"
-        log.info("1f1b warm-up: %s forwards before the first backward per stage (%s)",
+        log.info("%s warm-up: %s forwards before the first backward per stage (%s)", plan.schedule,
                  ", ".join(map(str, engine.warmup)), how)
     info = run_info(args, spec, plan)
     # This rank keeps only its own stage's layers (engine.stage): drop the model-wide list so that the

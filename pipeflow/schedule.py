@@ -20,7 +20,7 @@ from pipeflow.actions import (
     Schedule,
     ScheduleError,
 )
-from pipeflow.kinds import SCHEDULES, TABLE, ScheduleKind, fill_warmup, schedule_kind, warmup_forwards
+from pipeflow.kinds import SCHEDULES, TABLE, WARMUP_SCHEDULES, ScheduleKind, fill_warmup, schedule_kind, warmup_forwards
 
 __all__ = ["COMPUTE", "KINDS", "SCHEDULES", "STEP", "TABLE", "Action", "B", "F", "Kind", "Schedule", "ScheduleError",
            "ScheduleKind", "add_communication", "compute_order", "compute_orders", "dependencies", "dry_run",
@@ -30,7 +30,7 @@ __all__ = ["COMPUTE", "KINDS", "SCHEDULES", "STEP", "TABLE", "Action", "B", "F",
 def compute_order(name: str, microbatches: int, replicas: Sequence[int], worker_mbs: list[int], stage: int, *,
                   minibatch: int | None = None, warmup: int | None = None) -> list[Action]:
     """The compute actions (and STEPs) of one worker, before communication is added. `warmup` overrides
-    the forwards before the first backward (1f1b only)."""
+    the forwards before the first backward (1f1b and 2bw)."""
     return schedule_kind(name).order(worker_mbs, microbatches, replicas, stage, minibatch, warmup)
 
 
@@ -79,7 +79,7 @@ def generate(name: str, stages: int, microbatches: int, replicas: Sequence[int] 
              minibatch: int | None = None, warmup: Sequence[int] | None = None,
              virtual_stages: int = 1) -> Schedule:
     """Build, validate and dry-run a schedule. For `async`/`2bw`, `microbatches` counts all of them
-    (steps x m) and `minibatch` is m. `warmup` (1f1b only): forwards before the first backward, per stage.
+    (steps x m) and `minibatch` is m. `warmup` (1f1b, 2bw): forwards before the first backward, per stage.
     `virtual_stages` v (interleaved only): `stages` rank groups hold S*v model stages round-robin."""
     kind = schedule_kind(name)
     if virtual_stages != 1 and kind.chunk_order is None:
@@ -93,8 +93,8 @@ def generate(name: str, stages: int, microbatches: int, replicas: Sequence[int] 
         raise ScheduleError(f"replicas must be {stages} positive counts, found {list(reps)}")
     if warmup is not None:
         if not kind.warmup_applies:
-            raise ScheduleError(f"a warm-up depth applies to 1f1b only, not {name!r} (its weight versions depend "
-                                "on the standard depth)")
+            raise ScheduleError(f"a warm-up depth applies to {WARMUP_SCHEDULES} only, not {name!r} (its weight "
+                                "versions depend on the standard depth)")
         if len(warmup) != stages or any(w < 0 for w in warmup):
             raise ScheduleError(f"warmup must be {stages} non-negative counts (one per stage), found {list(warmup)}")
     sched = Schedule(name, stages, microbatches, reps, virtual_stages=virtual_stages)

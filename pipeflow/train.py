@@ -24,7 +24,7 @@ from partitioner.plan import PlanError
 from pipeflow import config
 from pipeflow.failure import UsageError
 from pipeflow.outputs import prepare_outputs, release_checkpoint_lock
-from pipeflow.planning import check_ties, make_plan
+from pipeflow.planning import check_ties, check_warmup, make_plan
 from pipeflow.runner import DTYPES, run
 from pipeflow.schedule import SCHEDULES, ScheduleError
 from pipeflow.spec import ModelError, build_model, parse_model_args
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="planning on the spot: e.g. 16GB (default: 90%% of the GPU's memory; on CPU the host's RAM "
                         "shared by its ranks)")
     p.add_argument("--warmup", default="plan",
-                   help="1f1b forwards before the first backward, per stage: plan (default: the plan's, which "
+                   help="1f1b and 2bw forwards before the first backward, per stage: plan (default: the plan's, which "
                         "pipeflow-plan deepens where its simulation gains; else min), min (DAPPLE, S-1-s), fill "
                         "(keep early stages busy until their first gradient returns; more activation memory), "
                         "or N,N,...")
@@ -234,6 +234,7 @@ def _main(args: argparse.Namespace, comm: Control, watchdog: Any) -> int:
             cfg = dataclasses.replace(cfg, microbatch_size=int(plan.extra["planner"]["microbatch_size"]))
         list_size = config.check_plan(plan, cfg, SCHEDULES)
         check_ties(spec, plan)
+        check_warmup(cfg.warmup, plan)
     except (UsageError, PlanError, ModelError, ScheduleError, ValueError) as e:
         error = str(e)
     errors = comm.allgather(error)

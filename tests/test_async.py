@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -81,9 +82,12 @@ def test_replicated_versions_are_minimal_and_match_the_reference(reps, kind):
 
 
 def test_2bw_needs_enough_microbatches_per_minibatch():
-    sched = generate("2bw", 4, 8, minibatch=2)
+    with pytest.raises(ScheduleError, match=r"^2bw: stage 0 has 1 replica\(s\) and 3 warm-up forward\(s\), more than "
+                                            r"its share of a minibatch of 2 microbatches \(two weight versions\)$"):
+        generate("2bw", 4, 8, minibatch=2)
+    sched = generate("1f1b", 4, 8)  # the book itself still marks where a list needs a version not made yet
     with pytest.raises(ScheduleError, match="ERROR HERE"):
-        VersionBook(sched.actions[0], version_fn(sched, 0, minibatch=2), sched=sched, worker=0)
+        VersionBook(sched.actions[0], lambda t: max(0, t // 2 - 1), sched=sched, worker=0)
     with pytest.raises(ScheduleError, match="replicas"):
         generate("2bw", 2, 8, (3, 1), minibatch=2)
     with pytest.raises(ScheduleError, match="divide"):
@@ -165,7 +169,9 @@ CASES = {
     "async-mlp-dp2": ("mlp", "async", [(6, 2)], 4, 2, "sgd"),  # m=2 would be minibatch SGD (test_seams_grads)
     "2bw-mlp-1-3": ("mlp", "2bw", [(2, 1), (4, 3)], 5, 2, "sgd"),
     "2bw-gpt-1-2": ("gpt", "2bw", [(3, 1), (1, 2)], 5, 2, "sgd"),
+    "2bw-mlp-warmup": ("mlp", "2bw", [(2, 1), (2, 1), (2, 1)], 4, 3, "adam"),
 }
+WARMUP = {"2bw-mlp-warmup": "4,2,0"}  # --warmup: deeper than 2bw's own 2,1,0; versions per minibatch, same result
 
 
 def delayed(d: Path, case: str) -> Case:
@@ -178,7 +184,9 @@ def delayed(d: Path, case: str) -> Case:
     return Case(np_, ["--model", model, "--model-args", json.dumps(MODELS[model]), "--plan", str(plan),
                       "--steps", str(steps), "--microbatch-size", str(B), "--optimizer", opt, "--lr", str(lr),
                       "--momentum", "0.9" if opt == "sgd" else "0", "--dtype", "float64", "--device", "cpu",
-                      "--save", str(d / "model.pt")] + (["--vertical-sync"] if vsync else []))
+                      "--save", str(d / "model.pt")] + (["--vertical-sync"] if vsync else [])
+                + (["--warmup", WARMUP[case]] if case in WARMUP else []),
+                env={"PIPEFLOW_LOG": "INFO"} if case in WARMUP else {})
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -198,3 +206,8 @@ def test_async_equals_delayed_reference(mpi: MpiRun, case):
     # The delayed rule matters here: the result differs from flush training on the same samples.
     flush = reference_flush(model, MODELS[model], **kw)
     assert any(not torch.allclose(want[k], flush[k], rtol=1e-6, atol=1e-8) for k in want)
+    if case in WARMUP:  # it ran the deeper warm-up, with the copies the memory model counts (2, 2, 1)
+        assert f"2bw warm-up: {WARMUP[case].replace(',', ', ')} forwards" in mpi.proc.stderr
+        held = sorted(re.findall(r"\[rank (\d)\] INFO pipeflow.stash: stash peak: \d+ bytes, (\d) versions",
+                                 mpi.proc.stderr))
+        assert held == [("0", "2"), ("1", "2"), ("2", "1")], held

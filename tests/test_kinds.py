@@ -103,7 +103,8 @@ def test_stashed_versions_and_weights():
     assert [schedule_kind(n).weights for n in SCHEDULES] == [Weights.LIVE, Weights.LIVE, Weights.STASH,
                                                              Weights.DOUBLE_BUFFER, Weights.LIVE, Weights.LIVE,
                                                              Weights.LIVE]
-    assert [schedule_kind(n).stashed_versions(5) for n in SCHEDULES] == [0, 0, 5, 1, 0, 0, 0]
+    assert [schedule_kind(n).stashed_versions(5) for n in SCHEDULES] == [0, 0, 5, 2, 0, 0, 0]
+    assert [schedule_kind(n).stashed_versions(1) for n in SCHEDULES] == [0, 0, 0, 1, 0, 0, 0]
     assert [schedule_kind(n).vertical_sync for n in SCHEDULES] == [False, False, True, False, False, False, False]
     from pipeflow.stash import version_fn
     for name in SCHEDULES:
@@ -119,11 +120,11 @@ def test_stashed_versions_and_weights():
 def test_warmup_applies_only_where_the_record_says(name):
     kind = schedule_kind(name)
     if kind.warmup_applies:
-        sched = generate(name, 3, 6, warmup=[4, 3, 0])
+        sched = generate(name, 3, 6, minibatch=6, warmup=[4, 3, 0])
         # warm-up 4, then F4 before B0 (1F1B's steady state)
         assert [a.kind for a in sched.actions[0] if a.is_compute][:6] == [Kind.F] * 5 + [Kind.B]
     else:
-        with pytest.raises(ScheduleError, match=f"a warm-up depth applies to 1f1b only, not '{name}'"):
+        with pytest.raises(ScheduleError, match=f"a warm-up depth applies to 1f1b and 2bw only, not '{name}'"):
             generate(name, 3, 6, minibatch=6, warmup=[4, 3, 0])
 
 
@@ -136,8 +137,12 @@ def test_flush_kinds_allow_ties_and_agree_every_step():
     ("async", 4, [1, 3], "async needs every stage's replica count to divide the microbatches per step, found "
                          "replicas [1, 3] and --microbatches 4"),
     ("2bw", 2, [3, 1], "2bw needs --microbatches >= every stage's replica count, found 2 < 3"),
-    ("2bw", 2, [1, 1, 1, 1], "2bw needs --microbatches >= stages - 1 (two weight versions), found 2 microbatches "
-                             "for 4 stages"),
+    ("2bw", 2, [1, 1, 1, 1], "2bw needs every replica's share of a minibatch (--microbatches // replicas) to cover "
+                             "its warm-up forwards (two weight versions), found stage 0 with 1 replica(s) and 3 "
+                             "warm-up forward(s) at 2 microbatches (m >= stages - 1 without replicas)"),
+    ("2bw", 2, [1, 1, 2], "2bw needs every replica's share of a minibatch (--microbatches // replicas) to cover its "
+                          "warm-up forwards (two weight versions), found stage 0 with 1 replica(s) and 3 warm-up "
+                          "forward(s) at 2 microbatches"),
 ])
 def test_constraints_on_m_and_replicas(name, m, reps, message):
     assert schedule_kind(name).violation(m, reps) == message
@@ -148,7 +153,9 @@ def test_constraints_on_m_and_replicas(name, m, reps, message):
 
 def test_rule_text_for_the_planner():
     assert [schedule_kind(n).rule for n in SCHEDULES] == [
-        "", "", "every stage's replica count must divide m", "m >= every stage's replica count and m >= stages - 1",
+        "", "", "every stage's replica count must divide m",
+        "m >= every stage's replica count and m // replicas >= warm-up forwards on every stage (m >= stages - 1 "
+        "without replicas)",
         "m a multiple of the pipeline's rank groups (at least 2)", "", ""]
 
 
@@ -236,3 +243,61 @@ def test_the_table_and_the_ir_are_pure():
             "print(sorted(m for m in ('torch', 'mpi4py') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+def _held_copies(sched, m: int) -> list[int | None]:
+    """Per worker: the most weight copies the runtime's VersionBook holds, None where it refuses the list."""
+    from pipeflow.stash import simulate, version_fn
+
+    out: list[int | None] = []
+    for w in range(len(sched.workers)):
+        try:
+            out.append(simulate(sched.actions[w], version_fn(sched, sched.stage_of(w), minibatch=m)))
+        except ScheduleError:
+            out.append(None)
+    return out
+
+
+def test_2bw_rule_and_copies_are_the_runtime_s():
+    """2bw's constraint (violation, the planner's) accepts exactly the stages, m and warm-ups whose action lists
+    the runtime's VersionBook can run over many minibatches, and the memory model's copies are the most it
+    holds. Before: m >= S - 1 passed 3 stages (1, 1, 2) at m = 2, which pipeflow-train then refused, and the
+    model counted one copy where the runtime holds two."""
+    import itertools
+
+    from pipeflow.warmup import least_warmups
+
+    kind = schedule_kind("2bw")
+    for S in (1, 2, 3):
+        for reps in itertools.product((1, 2, 3), repeat=S):
+            for m in range(max(reps), 7):
+                for extra in (0, 1, 2):
+                    warm = [w + (extra if s < S - 1 else 0) for s, w in enumerate(least_warmups(reps))]
+                    why = kind.violation(m, reps, warm)
+                    try:  # the generator refuses what violates the rule, before any runtime
+                        sched = generate("2bw", S, 10 * m, reps, minibatch=m, warmup=warm)
+                    except ScheduleError as e:
+                        assert why is not None or "deadlock" in str(e), (reps, m, warm, str(e))
+                        continue
+                    held = _held_copies(sched, m)
+                    assert why is None and None not in held, (reps, m, warm, why, held)
+                    fill = [w + 1 for w in warm]
+                    assert held == [kind.stashed_versions(fill[sched.stage_of(w)]) for w in range(len(held))]
+
+
+def test_async_copies_bound_the_runtime_s():
+    """async's modelled copies are at least the runtime's, and none where it holds none (the last stage)."""
+    import itertools
+
+    kind = schedule_kind("async")
+    for S in (1, 2, 3):
+        for reps in itertools.product((1, 2), repeat=S):
+            for m in range(1, 7):
+                if kind.violation(m, reps) is not None:
+                    continue
+                sched = generate("async", S, 6 * m, reps, minibatch=m)
+                held = _held_copies(sched, m)
+                fill = [-(-sum(reps[s:]) // reps[s]) for s in range(S)]  # warm-up forwards + 1
+                for w, h in enumerate(held):
+                    model = kind.stashed_versions(fill[sched.stage_of(w)])
+                    assert h is not None and h <= model and (h == 0) == (model == 0), (reps, m, w, h, model)

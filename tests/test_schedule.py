@@ -106,7 +106,7 @@ def test_deadlock_is_found_and_marked():
 def test_every_generated_schedule_is_valid_and_deadlock_free(name, stages, m, reps):
     # async/2bw with replicas need counts the replicas share evenly: see test_async.py.
     replicas = reps[:stages] if name in ("gpipe", "1f1b") else [1] * stages
-    minibatch = max(1, m // 2) if name == "2bw" else m
+    minibatch = max(1, stages - 1, m // 2) if name == "2bw" else m  # 2bw: m >= stages - 1 (test_kinds.py)
     total = minibatch * 2 if name == "2bw" else m
     s = generate(name, stages, total, replicas, minibatch=minibatch)  # validates and dry-runs
     order = dry_run(s)
@@ -126,8 +126,8 @@ def test_fill_warmup_covers_the_round_trip():
     assert compute(s, 0)[:11] == [f"F{i}" for i in range(10)] + ["B0"]
 
 
-def test_warmup_is_for_1f1b_only():
-    with pytest.raises(ScheduleError, match="warm-up depth applies to 1f1b only, not 'async'"):
+def test_warmup_is_for_1f1b_and_2bw_only():
+    with pytest.raises(ScheduleError, match="warm-up depth applies to 1f1b and 2bw only, not 'async'"):
         generate("async", 2, 4, warmup=[1, 0], minibatch=2)
     with pytest.raises(ScheduleError, match=r"warmup must be 2 non-negative counts \(one per stage\), found \[1\]"):
         generate("1f1b", 2, 4, warmup=[1])
