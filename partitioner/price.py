@@ -101,7 +101,11 @@ def tune_warmup(lay: LayerCosts, topology: Topology, schedule: str, microbatches
     costs, sim = priced.costs, priced.sim
     reps = [len(r) for r in ranks]
     S = len(ranges)
-    if not schedule_kind(schedule).warmup_applies or S < 2:
+    kind = schedule_kind(schedule)
+    # Flushed schedules only: 2bw runs a given warm-up (--warmup, plan.json), but on 2 H200s a deeper one gained
+    # nothing measurable (-0.2% and +0.6% at 8 x 8, 14,12 layers) where the simulation promised 1.1% and 3.1%,
+    # for 6.5 and 13 GiB more on stage 0 (benchmarks/gpu/README.md).
+    if not kind.warmup_applies or not kind.flush or S < 2:
         return Priced(costs, sim)
     least = least_warmups(reps)
     best: list[int] | None = None

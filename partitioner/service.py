@@ -160,7 +160,7 @@ def _plan_once(profile: Profile, model: CostModel, workers: int, keep_timeline: 
         raise _explain(model, workers) from None
     m = model.microbatches
     # The split is the fastest at the schedule's own warm-up; then, on GPUs, the warm-up is deepened for it where
-    # the simulation gains (1f1b, 2bw). Deep warm-ups over an uneven split ran 7.5% slower than simulated on 2 H200s;
+    # the simulation gains (1f1b). Deep warm-ups over an uneven split ran 7.5% slower than simulated on 2 H200s;
     # on CPU ranks sharing cores send with their own CPU time, which no warm-up hides (no gain measured).
     if profile.device.startswith("cuda"):
         priced = tune_warmup(model.layers, model.topology, model.schedule, m, [(s.start, s.end) for s in sol.stages],

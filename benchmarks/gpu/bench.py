@@ -6,6 +6,7 @@
 
 Rows (';'-separated), every one at --sequences per optimizer step (default 64):
     single MB                       one GPU, plain training loop (bench_ddp.py on one rank), microbatches of MB
+    singles MB                      that loop on every GPU at once, independent processes: the sum of their tokens/s
     ddp MB                          torch DDP on every GPU (bench_ddp.py), MB-sequence microbatches per rank
     torch SCHEDULE MB [SPLIT]       torch.distributed.pipelining (bench_torch_pp.py), m = sequences / MB; SCHEDULE
                                     1F1B, GPipe, Interleaved1F1B or InterleavedZeroBubble (2 stages per rank)
@@ -191,6 +192,31 @@ class Bench:
                str(self.a.sequences), "--model-args", json.dumps(self.gpt)]
         rc, out = self.sh(cmd, log)
         self.add("1 GPU", f"{mb} x {self.a.sequences // mb}", 1, rc, out, self.gpt)
+
+    def singles(self, mb: int) -> None:
+        """The 1-GPU loop on every GPU at once, independent processes (no communication): what the GPUs reach
+        while all of them work, the ceiling for any method on this machine (2 x `single` assumes none slows
+        another). Reports the sum of their tokens/s."""
+        cmd = [sys.executable, str(ROOT / "benchmarks/gpu/bench_ddp.py"), "--device", self.device, "--dtype",
+               self.dtype, "--steps", str(self.a.steps), "--microbatch-size", str(mb), "--sequences",
+               str(self.a.sequences), "--model-args", json.dumps(self.gpt)]
+        procs = [subprocess.Popen(cmd, cwd=ROOT, env={**self.env, "CUDA_VISIBLE_DEVICES": str(i)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(self.n)]
+        outs = []
+        for p in procs:
+            try:
+                outs.append((p.communicate(timeout=self.a.timeout)[0], p.returncode))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                outs.append((p.communicate()[0] + f"\nTIMEOUT after {self.a.timeout} s", 124))
+        (self.work / f"singles-{mb}.log").write_text("\n".join(f"# GPU {i}, rc {rc}\n{out}"
+                                                              for i, (out, rc) in enumerate(outs)))
+        found = [re.search(r"RESULT .*tokens_per_s=([0-9.]+)", out) for out, _ in outs]
+        each = [float(m.group(1)) for m in found if m]
+        rc = next((rc for _, rc in outs if rc), 0)
+        self.add(f"{self.n} x 1 GPU at once", f"{mb} x {self.a.sequences // mb} on each GPU "
+                 f"({', '.join(f'{t:.0f}' for t in each)})", self.n, rc, "", self.gpt,
+                 tokens=sum(each) if len(each) == self.n else None)
 
     def ddp(self, mb: int) -> None:
         rc, out = self.torchrun("bench_ddp.py", self.n, ["--microbatch-size", str(mb), "--sequences",
@@ -403,6 +429,8 @@ class Bench:
             try:
                 if w[0] == "single":
                     self.single(int(w[1]))
+                elif w[0] == "singles":
+                    self.singles(int(w[1]))
                 elif w[0] == "ddp":
                     self.ddp(int(w[1]))
                 elif w[0] == "torch":
