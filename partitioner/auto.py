@@ -13,8 +13,10 @@ ties go to the lower peak memory, then to the earlier record.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
+from partitioner.accumulation import plan_accumulation
 from partitioner.inputs import resolve_topology
 from partitioner.planner import PlanningError
 from partitioner.profile import Profile
@@ -99,9 +101,10 @@ def plan_auto(profile: Profile, workers: int, *, microbatches: int | str = "auto
     tried = candidates()
     for c in tried:
         try:
-            c.planned = plan_detailed(profile, workers, schedule=c.schedule, microbatches=microbatches, topology=topo,
-                                      memory_per_worker=memory_per_worker, straight=straight, optimizer=optimizer,
-                                      keep_timeline=keep_timeline, **c.variant)
+            c.planned = plan_accumulation(partial(
+                plan_detailed, workers=workers, schedule=c.schedule, microbatches=microbatches, topology=topo,
+                memory_per_worker=memory_per_worker, straight=straight, optimizer=optimizer,
+                keep_timeline=keep_timeline, **c.variant), profile)
         except PlanningError as e:
             c.error = str(e)
     ok = [(i, c) for i, c in enumerate(tried) if c.planned is not None]
@@ -119,7 +122,7 @@ def plan_schedule(profile: Profile, workers: int, *, schedule: str, **kwargs: An
     """`--schedule NAME` or `--schedule auto`: the entry point of pipeflow-plan and of planning on the spot."""
     if schedule == AUTO:
         return plan_auto(profile, workers, **kwargs)[0]
-    return plan_detailed(profile, workers, schedule=schedule, **kwargs)
+    return plan_accumulation(lambda p: plan_detailed(p, workers, schedule=schedule, **kwargs), profile)
 
 
 def candidates_table(planned: Planned) -> str:

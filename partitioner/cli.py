@@ -60,6 +60,9 @@ def table(p: Planned) -> str:
         least = least_warmups(p.plan.replicas)
         lines.append(f"warm-up: {', '.join(map(str, p.plan.warmup))} forwards before the first backward per stage "
                      f"(the schedule's minimum: {', '.join(map(str, least))}; the extra ones hide the round trips)")
+    if p.plan.accumulation == "gemm":
+        lines.append("accumulation: gemm (each nn.Linear adds its weight gradient inside the GEMM; the profile timed "
+                     "it faster for this plan; PIPEFLOW_GRAD_ACCUM=autograd overrides it)")
     return "\n".join(lines)
 
 

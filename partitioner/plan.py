@@ -14,6 +14,7 @@ from pipeflow.kinds import WARMUP_SCHEDULES
 from pipeflow.schedule import SCHEDULES, schedule_kind
 
 PLAN_FORMAT = "pipeflow.plan/1"
+ACCUMULATIONS = ("autograd", "gemm")  # how stages accumulate gradients (pipeflow/split.py, PIPEFLOW_GRAD_ACCUM)
 
 
 class PlanError(ValueError):
@@ -71,6 +72,12 @@ class Plan:
         return list(w) if w is not None else None
 
     @property
+    def accumulation(self) -> str | None:
+        """How the plan was priced to accumulate gradients (optional field `accumulation`: "autograd" or "gemm",
+        pipeflow/split.py); pipeflow-train runs it unless PIPEFLOW_GRAD_ACCUM says otherwise. None: autograd."""
+        return self.extra.get("accumulation")
+
+    @property
     def num_layers(self) -> int:
         return self.stages[-1].layers[1] if self.stages else 0
 
@@ -110,6 +117,9 @@ class Plan:
                             f"expected each of 0..{self.workers - 1} exactly once")
         if num_layers is not None and start != num_layers:
             raise PlanError(f"plan covers layers [0, {start}) but the model has {num_layers} layers")
+        if self.extra.get("accumulation", "autograd") not in ACCUMULATIONS:
+            raise PlanError(f"plan.accumulation must be one of {', '.join(ACCUMULATIONS)}, found "
+                            f"{self.extra['accumulation']!r}")
         warmup = self.extra.get("warmup")
         if warmup is not None:
             if not schedule_kind(self.schedule).warmup_applies:

@@ -6,7 +6,9 @@ read files with them): per layer `backward_accumulate_ms`, the backward when gra
 backward that zero-bubble schedules defer (pipeflow/split.py); at the top, `loss_ms` (the loss's forward and
 backward per microbatch) and `optimizer_ms_per_byte` ({"adam": ..., "sgd": ...}: one optimizer step per
 parameter byte). The planner uses them when present and counts them as 0 (or backward_ms) when absent;
-an absent `backward_weight_ms` is estimated (Profile.weight_column). Also optional at the top, the
+an absent `backward_weight_ms` is estimated (Profile.weight_column). Per layer `forward_gemm_ms`,
+`backward_gemm_ms` and `backward_accumulate_gemm_ms` are the same times with gradient accumulation inside the
+weight GEMMs, where pipeflow-profile timed both ways (partitioner/accumulation.py). Also optional at the top, the
 runtime's own costs on this machine (`python -m partitioner.calibrate`, from a traced run):
 `action_ms`, added to every forward and backward of a stage, `message_ms`, the sender's time per
 message to a neighbouring stage, `latency_ms`, the time a message takes beyond bytes / bandwidth until
@@ -36,7 +38,9 @@ from partitioner.jsonfile import check_fields, field_problem, read_json, write_j
 
 PROFILE_FORMAT = "pipeflow.profile/1"
 LAYER_NUMBERS = ("forward_ms", "backward_ms", "output_bytes", "activation_bytes", "parameter_bytes")
-OPTIONAL_LAYER_NUMBERS = ("backward_accumulate_ms", "backward_weight_ms")
+# gemm: the same times with every nn.Linear adding its weight gradient into .grad inside the GEMM
+GEMM_NUMBERS = ("forward_gemm_ms", "backward_gemm_ms", "backward_accumulate_gemm_ms")
+OPTIONAL_LAYER_NUMBERS = ("backward_accumulate_ms", "backward_weight_ms", *GEMM_NUMBERS)
 RUNTIME_NUMBERS = ("action_ms", "message_ms", "latency_ms", "step_gap_ms", "layer_ms", "update_ms")  # optional
 MAX_COMPUTE_FACTOR = 100.0
 CALIBRATED = (*RUNTIME_NUMBERS, "compute_factor", "link_bandwidth")  # what partitioner.calibrate may write
@@ -68,6 +72,9 @@ class LayerProfile:
     parameter_bytes: int
     backward_accumulate_ms: float | None = None
     backward_weight_ms: float | None = None  # the W share of backward_ms (split nn.Linear weight GEMMs)
+    forward_gemm_ms: float | None = None  # forward_ms, backward_ms and backward_accumulate_ms with gemm
+    backward_gemm_ms: float | None = None  # accumulation (PIPEFLOW_GRAD_ACCUM=gemm, pipeflow/split.py),
+    backward_accumulate_gemm_ms: float | None = None  # where pipeflow-profile timed both (partitioner/accumulation.py)
 
     def check(self, where: str = "layer") -> None:
         if not isinstance(self.name, str):

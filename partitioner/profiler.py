@@ -101,7 +101,7 @@ def profile_layer(layer: nn.Module, x: Any, *, device: torch.device, dtype: torc
 def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.device = "cpu", *,
                   dtype: str | None = None, warmup: int = 2, repeats: int = 5, seed: int = 0,
                   optimizer: str | None = "adam", threads: int | None = None,
-                  warnings: list[str] | None = None, timing: str | None = None) -> Profile:
+                  warnings: list[str] | None = None, timing: str | None = None, gemm: bool | None = None) -> Profile:
     """Profile every layer of `spec` on one real microbatch of its dataset, in order (in-process API); then
     the loss on the last layer's output and a step of `optimizer` per parameter byte (None: not timed).
 
@@ -120,7 +120,11 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     `timing`: on CUDA "idle" times each call from an idle device, "kernels" its kernels back to back with the
     launches hidden (measure.Timer says what each misses); "stage" (CUDA or CPU) times the layers as a stage
     runs them, the whole chain's forward then its backward with no wait between layers (measure.time_chain).
-    None: DEFAULT_TIMING of the device. Recorded in the profile."""
+    None: DEFAULT_TIMING of the device. Recorded in the profile.
+
+    `gemm` (None: on CUDA): with --timing stage and autograd's accumulation, the chain is timed a second time
+    with each nn.Linear adding its weight gradient inside the GEMM, into the layers' *_gemm_ms fields, so that
+    pipeflow-plan can choose the faster (partitioner/accumulation.py)."""
     if dtype is not None and dtype not in DTYPES:
         raise ProfileError(f"--dtype must be one of {', '.join(DTYPES)}, found {dtype!r}")
     dev = torch.device(device)
@@ -160,6 +164,12 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
             layers.append(stats)
         chain = time_as_a_stage(spec, layers, first, dev, torch_dtype, warmup=warmup, repeats=repeats,
                                 fuse=fuse) if timing == "stage" else None
+        if chain is not None and not fuse and (gemm if gemm is not None else dev.type == "cuda"):
+            twin = [dict(s) for s in layers]
+            time_as_a_stage(spec, twin, first, dev, torch_dtype, warmup=warmup, repeats=repeats, fuse=True)
+            for s, t in zip(layers, twin):
+                s.update({f"{k.removesuffix('_ms')}_gemm_ms": t[k]
+                          for k in ("forward_ms", "backward_ms", "backward_accumulate_ms")})
         try:
             loss_ms = time_loss(spec.loss_fn, prepare_input(x, dev, None), map_tensors(y, lambda t: t.to(dev)), timer,
                                 warmup=warmup, repeats=repeats)
@@ -256,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{prof.microbatch_size}, {threads or torch.get_num_threads()} torch thread(s)): forward {total_f:.3f} "
           f"ms, backward {total_b:.3f} ms, loss {prof.loss_ms or 0:.3f} ms"
           + (f", GPU to GPU {prof.link_bandwidth / 1e9:.1f} GB/s" if prof.link_bandwidth else "")
+          + (f"; with gemm accumulation forward {sum(x.forward_gemm_ms or 0 for x in prof.layers):.3f} ms, backward "
+             f"{sum(x.backward_gemm_ms or 0 for x in prof.layers):.3f} ms" if prof.layers[0].forward_gemm_ms else "")
           + (f"; also at microbatch sizes {', '.join(str(b) for b in sizes[1:])}" if others else "")
           + f" -> {args.output}")
     for line in warnings:

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from partitioner.accumulation import priced_as
 from partitioner.inputs import MAX_MICROBATCHES, MAX_WORKERS, check_microbatches, resolve_topology  # noqa: F401  (re-exported: the limits)
 from partitioner.plan import Plan, PlanError, StagePlan
 from partitioner.planner import (
@@ -279,10 +280,10 @@ def evaluate_plan(profile: Profile, plan: Plan, *, topology: Topology | str | No
     topo = resolve_topology(plan.workers, topology, profile)
     check_microbatches(plan.microbatches)
     plan.validate(num_layers=len(profile.layers))
-    why = schedule_rule(plan.schedule, plan.microbatches, plan.replicas)
+    why = schedule_kind(plan.schedule).violation(plan.microbatches, plan.replicas, plan.warmup)
     if why:
         raise PlanError(f"the plan cannot run: {why}")
-    lay = layer_costs(profile, plan.schedule, optimizer)
+    lay = layer_costs(priced_as(profile, plan.accumulation), plan.schedule, optimizer)
     costs, sim = price(lay, topo, plan.schedule, plan.microbatches, [st.layers for st in plan.stages],
                        [st.ranks for st in plan.stages], optimizer=optimizer, keep_timeline=keep_timeline,
                        warmup=plan.warmup)

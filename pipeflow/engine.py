@@ -48,7 +48,7 @@ class Engine:
                        for k, st in enumerate(plan.stages) if k % self.S == self.s}
         self.stage = self.stages[self.s]  # the first (with one stage per rank, the only) chunk here
         self.split = Kind.W if self.kind.split_backward else Kind.B  # zero bubble: B defers weight GEMMs to W
-        fuse = gemm_accumulation()
+        fuse = gemm_accumulation(planned=plan.accumulation)  # PIPEFLOW_GRAD_ACCUM, else the plan's choice
         linears = sum(len(c.linear_backward(split=self.kind.split_backward, fuse=fuse)) for c in self.stages.values())
         for line in linear_notes(linears, split=self.kind.split_backward, fuse=fuse):
             log.info("%s: %s", schedule, line)

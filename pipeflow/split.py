@@ -2,7 +2,8 @@
 and W (weight gradients) of zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR'24, §2),
 without running autograd twice; and gradient accumulation inside the weight GEMM.
 
-Accumulation (PIPEFLOW_GRAD_ACCUM=gemm; the default, autograd, is plain PyTorch's): every microbatch of a step but
+Accumulation (gemm: plan.json's `accumulation`, which pipeflow-plan chooses, or PIPEFLOW_GRAD_ACCUM=gemm; autograd
+is plain PyTorch's): every microbatch of a step but
 the first adds its weight gradients into `.grad`. Autograd computes each into a new tensor, then adds it: on an
 H100 that made the backward of 13 GPT blocks (d 2048, bf16) 2.4 ms slower than into no gradients at microbatch 8
 (+5.6%) and 1.8 ms at microbatch 2 (+15%). With `gemm` the weight GEMM adds it itself (beta = 1, Megatron-LM's
@@ -44,12 +45,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-ACCUMULATIONS = ("autograd", "gemm")
+from partitioner.plan import ACCUMULATIONS  # plan.json's `accumulation` takes the same values
 
 
-def gemm_accumulation(environ: Mapping[str, str] = os.environ) -> bool:
-    """PIPEFLOW_GRAD_ACCUM: autograd (default, as plain PyTorch) or gemm (the weight GEMM adds into .grad)."""
-    text = environ.get("PIPEFLOW_GRAD_ACCUM", "autograd")
+def gemm_accumulation(environ: Mapping[str, str] = os.environ, *, planned: str | None = None) -> bool:
+    """PIPEFLOW_GRAD_ACCUM: autograd (as plain PyTorch) or gemm (the weight GEMM adds into .grad); unset, the
+    plan's choice (`planned`, plan.json's `accumulation`: pipeflow-plan picks gemm where the profile timed it
+    faster), else autograd."""
+    text = environ.get("PIPEFLOW_GRAD_ACCUM", planned or "autograd")
     if text not in ACCUMULATIONS:
         raise ValueError(f"PIPEFLOW_GRAD_ACCUM must be one of {', '.join(ACCUMULATIONS)}, found {text!r}")
     return text == "gemm"
@@ -58,7 +61,7 @@ def gemm_accumulation(environ: Mapping[str, str] = os.environ) -> bool:
 def linear_notes(n: int, *, split: bool, fuse: bool) -> list[str]:
     """The log lines saying what `n` nn.Linear modules of a rank do with their weight gradients."""
     return ([f"B defers the weight gradients of {n} nn.Linear module(s) to W (split.py)"] if split else []) + (
-        [f"{n} nn.Linear module(s) add their weight gradients into .grad inside the GEMM (PIPEFLOW_GRAD_ACCUM=gemm)"]
+        [f"{n} nn.Linear module(s) add their weight gradients into .grad inside the GEMM (gemm accumulation)"]
         if fuse else [])
 
 

@@ -134,6 +134,9 @@ def test_an_armed_reducer_overlaps_its_buckets_with_gemm_accumulation(one_rank_g
 
 def test_the_accumulation_knob_is_checked_with_one_line() -> None:
     assert split.gemm_accumulation({}) is False and split.gemm_accumulation({"PIPEFLOW_GRAD_ACCUM": "gemm"}) is True
+    # unset, the plan's choice; set, the knob wins over it
+    assert split.gemm_accumulation({}, planned="gemm") is True and split.gemm_accumulation({}, planned=None) is False
+    assert split.gemm_accumulation({"PIPEFLOW_GRAD_ACCUM": "autograd"}, planned="gemm") is False
     with pytest.raises(config.ConfigError, match=r"^PIPEFLOW_GRAD_ACCUM must be one of autograd, gemm, found "
                                                  r"'fused'$"):
         config.check_environment({"PIPEFLOW_GRAD_ACCUM": "fused"})
@@ -161,22 +164,23 @@ def test_the_profiler_times_the_split_of_a_layer_that_accumulates_in_the_gemm_an
 
 
 def replicated_gemm(d: Path) -> Case:
-    """1f1b on 2 stages x 2 replicas with the GEMMs accumulating: the reducer's last backward overlaps."""
-    plan = {"format": "pipeflow.plan/1", "schedule": "1f1b", "microbatches": 4, "workers": 4,
+    """1f1b on 2 stages x 2 replicas with the GEMMs accumulating, as the plan says (pipeflow-plan's choice,
+    partitioner/accumulation.py): the reducer's last backward overlaps."""
+    plan = {"format": "pipeflow.plan/1", "schedule": "1f1b", "microbatches": 4, "workers": 4, "accumulation": "gemm",
             "stages": [{"layers": [0, 2], "replicas": 2, "ranks": [0, 1]},
                        {"layers": [2, 4], "replicas": 2, "ranks": [2, 3]}]}
     (d / "plan.json").write_text(json.dumps(plan))
     return Case(4, ["--model", "gpt", "--model-args", json.dumps(GPT), "--plan", str(d / "plan.json"),
                     "--steps", "3", "--microbatch-size", "2", "--optimizer", "sgd", "--lr", "0.05",
                     "--momentum", "0.9", "--dtype", "float64", "--device", "cpu", "--save", str(d / "model.pt")],
-                env={"PIPEFLOW_LOG": "INFO", "PIPEFLOW_GRAD_ACCUM": "gemm"})
+                env={"PIPEFLOW_LOG": "INFO"})
 
 
 @batched(replicated_gemm)
 def test_replicated_1f1b_accumulating_in_the_gemm_equals_single_process(mpi: MpiRun) -> None:
     # Each rank: its blocks' 4 nn.Linear modules (stage 0: 1 block; stage 1: 1 block and the head's).
     assert mpi.proc.stderr.count("1f1b: 4 nn.Linear module(s) add their weight gradients into .grad inside the "
-                                 "GEMM (PIPEFLOW_GRAD_ACCUM=gemm)") == 2
+                                 "GEMM (gemm accumulation)") == 2
     assert mpi.proc.stderr.count("1f1b: 5 nn.Linear module(s) add their weight gradients") == 2
     got = torch.load(mpi.dir / "model.pt", weights_only=True)
     want = reference_flush("gpt", GPT, steps=3, microbatches=4, microbatch_size=2, optimizer="sgd", lr=0.05,

@@ -296,7 +296,8 @@ class Bench:
             return None, out.strip().splitlines()[-1] if out.strip() else f"rc {rc}"
         plan = json.loads(out_path.read_text())
         return out_path, ",".join(f"{st['layers'][1] - st['layers'][0]}" + (f"(x{st['replicas']})" if
-                                  st["replicas"] > 1 else "") for st in plan["stages"])
+                                  st["replicas"] > 1 else "") for st in plan["stages"]) + (
+            ", gemm accumulation (the plan's)" if plan.get("accumulation") == "gemm" else "")
 
     def pf(self, schedule: str, mb: int, m: int, split: str, big: bool = False, sub: bool = False,
            mem_gib: float | None = None, sizes: str | None = None, trace: bool = False, cal: bool = False,
