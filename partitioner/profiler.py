@@ -3,6 +3,7 @@ parameter bytes on a device (PipeDream SOSP'19 §3.1: the profile the partitione
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from typing import Any
@@ -122,7 +123,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     runs them, the whole chain's forward then its backward with no wait between layers (measure.time_chain).
     None: DEFAULT_TIMING of the device. Recorded in the profile.
 
-    `gemm` (None: on CUDA): with --timing stage and autograd's accumulation, the chain is timed a second time
+    `gemm` (None: on CUDA): with --timing stage and PIPEFLOW_GRAD_ACCUM unset, the chain is timed a second time
     with each nn.Linear adding its weight gradient inside the GEMM, into the layers' *_gemm_ms fields, so that
     pipeflow-plan can choose the faster (partitioner/accumulation.py)."""
     if dtype is not None and dtype not in DTYPES:
@@ -164,7 +165,8 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
             layers.append(stats)
         chain = time_as_a_stage(spec, layers, first, dev, torch_dtype, warmup=warmup, repeats=repeats,
                                 fuse=fuse) if timing == "stage" else None
-        if chain is not None and not fuse and (gemm if gemm is not None else dev.type == "cuda"):
+        if chain is not None and "PIPEFLOW_GRAD_ACCUM" not in os.environ and (
+                gemm if gemm is not None else dev.type == "cuda"):  # the knob set: the ranks accumulate its way
             twin = [dict(s) for s in layers]
             time_as_a_stage(spec, twin, first, dev, torch_dtype, warmup=warmup, repeats=repeats, fuse=True)
             for s, t in zip(layers, twin):

@@ -70,7 +70,9 @@ def test_a_profile_without_gemm_times_plans_as_before() -> None:
     assert both is not None and both.layers[0].forward_ms == 2.5 and both.layers[0].backward_accumulate_ms == 3.0
 
 
-def test_the_profiler_times_the_chain_both_ways_and_the_file_keeps_them(tmp_path: Path) -> None:
+def test_the_profiler_times_the_chain_both_ways_and_the_file_keeps_them(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PIPEFLOW_GRAD_ACCUM", raising=False)
     spec = build_model("gpt", GPT)
     prof = profile_model(spec, 2, "cpu", warmup=0, repeats=1, timing="stage", gemm=True)
     assert all(x.forward_gemm_ms is not None and x.backward_gemm_ms is not None
@@ -78,6 +80,11 @@ def test_the_profiler_times_the_chain_both_ways_and_the_file_keeps_them(tmp_path
     prof.save(tmp_path / "p.json")
     back = Profile.load(tmp_path / "p.json")
     assert [x.backward_accumulate_gemm_ms for x in back.layers] == [x.backward_accumulate_gemm_ms for x in prof.layers]
+    # with PIPEFLOW_GRAD_ACCUM set the ranks accumulate its way: the chain is timed that way only
+    monkeypatch.setenv("PIPEFLOW_GRAD_ACCUM", "autograd")
+    knob = profile_model(build_model("gpt", GPT), 2, "cpu", warmup=0, repeats=1, timing="stage", gemm=True)
+    assert all(x.forward_gemm_ms is None for x in knob.layers)
+    monkeypatch.delenv("PIPEFLOW_GRAD_ACCUM")
     # on CPU by default the chain is timed once (gemm: None means CUDA only)
     plain = profile_model(build_model("gpt", GPT), 2, "cpu", warmup=0, repeats=1, timing="stage")
     assert all(x.forward_gemm_ms is None for x in plain.layers)
