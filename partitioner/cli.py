@@ -61,8 +61,8 @@ def table(p: Planned) -> str:
         lines.append(f"warm-up: {', '.join(map(str, p.plan.warmup))} forwards before the first backward per stage "
                      f"(the schedule's minimum: {', '.join(map(str, least))}; the extra ones hide the round trips)")
     if p.plan.accumulation == "gemm":
-        lines.append("accumulation: gemm (each nn.Linear adds its weight gradient inside the GEMM; the profile timed "
-                     "it faster for this plan; PIPEFLOW_GRAD_ACCUM=autograd overrides it)")
+        lines.append("accumulation: gemm (each nn.Linear adds its weight gradient inside the GEMM, priced with the "
+                     "profile's gemm times; PIPEFLOW_GRAD_ACCUM=autograd overrides it)")
     return "\n".join(lines)
 
 

@@ -72,9 +72,11 @@ class LayerProfile:
     parameter_bytes: int
     backward_accumulate_ms: float | None = None
     backward_weight_ms: float | None = None  # the W share of backward_ms (split nn.Linear weight GEMMs)
-    forward_gemm_ms: float | None = None  # forward_ms, backward_ms and backward_accumulate_ms with gemm
-    backward_gemm_ms: float | None = None  # accumulation (PIPEFLOW_GRAD_ACCUM=gemm, pipeflow/split.py),
-    backward_accumulate_gemm_ms: float | None = None  # where pipeflow-profile timed both (partitioner/accumulation.py)
+    # forward_ms, backward_ms and backward_accumulate_ms with gemm accumulation (pipeflow/split.py), where
+    # pipeflow-profile timed both ways (partitioner/accumulation.py)
+    forward_gemm_ms: float | None = None
+    backward_gemm_ms: float | None = None
+    backward_accumulate_gemm_ms: float | None = None
 
     def check(self, where: str = "layer") -> None:
         if not isinstance(self.name, str):

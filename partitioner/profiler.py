@@ -269,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
           f"ms, backward {total_b:.3f} ms, loss {prof.loss_ms or 0:.3f} ms"
           + (f", GPU to GPU {prof.link_bandwidth / 1e9:.1f} GB/s" if prof.link_bandwidth else "")
           + (f"; with gemm accumulation forward {sum(x.forward_gemm_ms or 0 for x in prof.layers):.3f} ms, backward "
-             f"{sum(x.backward_gemm_ms or 0 for x in prof.layers):.3f} ms" if prof.layers[0].forward_gemm_ms else "")
+             f"{sum(x.backward_gemm_ms or 0 for x in prof.layers):.3f} ms"
+             if prof.layers[0].forward_gemm_ms is not None else "")
           + (f"; also at microbatch sizes {', '.join(str(b) for b in sizes[1:])}" if others else "")
           + f" -> {args.output}")
     for line in warnings:

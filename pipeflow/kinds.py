@@ -31,8 +31,7 @@ class Weights(enum.Enum):
 
     LIVE = "live"  # the current weights: updates happen only after a flush
     STASH = "stash"  # PipeDream weight stashing: a version per microbatch in flight (SOSP'19 §3.3)
-    DOUBLE_BUFFER = "double buffer"  # PipeDream-2BW: the live weights and one older version (two copies of
-    # them at once on every stage but the last, as the runtime keeps them: stashed_versions)
+    DOUBLE_BUFFER = "double buffer"  # PipeDream-2BW: the live weights and one older version (stashed_versions)
 
 
 class InFlight(enum.Enum):
@@ -92,7 +91,7 @@ class ScheduleKind:
         parts = [text for applies, text in ((self.replicas_divide_m, "every stage's replica count must divide m"),
                                             (self.replicas_at_most_m, "m >= every stage's replica count"),
                                             (self.share_covers_warmup, "m // replicas >= warm-up forwards on "
-                                         "every stage (m >= stages - 1 without replicas)"),
+                                             "every stage (m >= stages - 1 without replicas)"),
                                             (self.m_multiple_of_stages, "m a multiple of the pipeline's "
                                              "rank groups (at least 2)")) if applies]
         return " and ".join(parts)
@@ -120,7 +119,7 @@ class ScheduleKind:
         if self.weights is Weights.STASH:
             return in_flight * (in_flight > 1)
         if self.weights is Weights.DOUBLE_BUFFER:
-            return in_flight * 0 + 1 + (in_flight > 1)
+            return 1 + (in_flight > 1)
         return 0
 
     def violation(self, m: int, replicas: Sequence[int], warmup: Sequence[int] | None = None) -> str | None:

@@ -38,7 +38,7 @@ def test_the_planner_keeps_the_faster_accumulation(tmp_path: Path, capsys: pytes
     # gemm's accumulating backward 3.5 ms against 5: 2.5 + 3.5 = 6 ms a microbatch against 7, so gemm wins
     plan, out = plan_cli(tmp_path, 3.5, capsys)
     assert plan["accumulation"] == "gemm"
-    assert "accumulation: gemm (each nn.Linear adds its weight gradient inside the GEMM;" in out
+    assert "accumulation: gemm (each nn.Linear adds its weight gradient inside the GEMM, priced with the " in out
     gemm_ms = plan["predicted"]["step_ms"]
     # 4.8 ms: 2.5 + 4.8 = 7.3 against 7, so autograd's plan stays, with nothing written
     plan, out = plan_cli(tmp_path, 4.8, capsys)
