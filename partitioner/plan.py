@@ -133,11 +133,12 @@ class Plan:
                             f"run mpirun -np {self.workers}")
 
     def set_schedule(self, name: str) -> None:
-        """Run the plan under schedule `name` (a --schedule override): the planner's warm-up goes where that
-        schedule has none; then validated."""
-        self.schedule = name
-        if name not in SCHEDULES or not schedule_kind(name).warmup_applies:
+        """Run the plan under schedule `name` (a --schedule override): the planner's warm-up, chosen for its own
+        schedule, goes with any other (2bw takes a depth too, but one planned for 1f1b's flush would only cost
+        it memory); then validated."""
+        if name != self.schedule:
             self.extra.pop("warmup", None)
+        self.schedule = name
         self.validate()
 
     def _round_robin(self) -> bool:

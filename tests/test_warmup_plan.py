@@ -102,6 +102,11 @@ def test_a_plans_warm_up_is_checked_and_goes_with_its_schedule() -> None:
     assert resolve_warmup("plan", plan) is None  # the engine takes the plan's
     assert resolve_warmup("min", plan) == [1, 0]  # DAPPLE's minimum, over the plan's
     assert resolve_warmup("3,0", plan) == [3, 0]
+    plan.set_schedule("1f1b")  # the same schedule: the planner's warm-up stays
+    assert plan.warmup == [2, 0]
+    plan.set_schedule("2bw")  # --schedule 2bw over a 1f1b plan: a depth planned for 1f1b's flush does not go with it
+    assert plan.warmup is None and "warmup" not in plan.to_json()
+    plan = Plan.from_json({**body, "warmup": [2, 0]})
     plan.set_schedule("gpipe")  # --schedule gpipe over a 1f1b plan: no warm-up to run
     assert plan.warmup is None and "warmup" not in plan.to_json()
 
