@@ -72,13 +72,15 @@ class LayerCosts:
     step_gap_ms: float = 0.0  # the runtime's time between two steps (profile.step_gap_ms; once per step)
     layer_ms: float = 0.0  # the runtime's own time per layer of a stage, per forward and backward (profile.layer_ms)
     update_ms: float = 0.0  # the runtime's own time per optimizer update beyond the profiled step (profile.update_ms)
+    loss_bytes: float = 0.0  # the loss's memory beyond its input, on the last layer's stage (profile.loss_bytes)
 
     @classmethod
     def of(cls, forward_ms: Sequence[float], backward_ms: Sequence[float], output_bytes: Sequence[float],
            activation_bytes: Sequence[float], parameter_bytes: Sequence[float], *, loss_ms: float = 0.0,
            optimizer_ms_per_byte: float = 0.0, backward_weight_ms: Sequence[float] | None = None,
            action_ms: float = 0.0, message_ms: float = 0.0, latency_ms: float = 0.0,
-           step_gap_ms: float = 0.0, layer_ms: float = 0.0, update_ms: float = 0.0) -> LayerCosts:
+           step_gap_ms: float = 0.0, layer_ms: float = 0.0, update_ms: float = 0.0,
+           loss_bytes: float = 0.0) -> LayerCosts:
         cols = [np.asarray(c, dtype=np.float64) for c in
                 (forward_ms, backward_ms, output_bytes, activation_bytes, parameter_bytes)]
         if len({len(c) for c in cols}) != 1 or len(cols[0]) == 0:
@@ -87,7 +89,7 @@ class LayerCosts:
         weight = None if backward_weight_ms is None else np.minimum(np.asarray(backward_weight_ms, np.float64), cols[1])
         return cls(cols[0], cols[1], cols[2], cols[3], cols[4], float(loss_ms), float(optimizer_ms_per_byte), weight,
                    float(action_ms), float(message_ms), float(latency_ms), float(step_gap_ms), float(layer_ms),
-                   float(update_ms))
+                   float(update_ms), float(loss_bytes))
 
     def __len__(self) -> int:
         return len(self.forward_ms)
@@ -221,11 +223,12 @@ class CostModel:
 
     def memory_bytes(self, i: np.ndarray | int, j: np.ndarray | int, r: np.ndarray | int,
                      downstream: np.ndarray | int) -> np.ndarray:
-        """Weights, gradients, optimizer state, stashed weight versions and in-flight activations."""
+        """Weights, gradients, optimizer state, stashed weight versions and in-flight activations; on the stage
+        of the last layer, the loss's memory too."""
         p = self.P[j] - self.P[i]
         fl = self.in_flight(downstream, r)
         return (p * (2 + OPTIMIZER_STATES[self.optimizer] + self.kind.stashed_versions(fl))
-                + fl * (self.A[j] - self.A[i]))
+                + fl * (self.A[j] - self.A[i]) + self.layers.loss_bytes * (np.asarray(j) == self.num_layers))
 
     def outside(self, level: int) -> int:
         """Workers outside one level-`level` group that may sit downstream of it (bound for D)."""

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from partitioner.measure import cast_floats_to, free_cached, machine_bytes, map_tensors, nbytes, prepare_input
+from partitioner.measure import cast_floats_to, free_cached, machine_bytes, map_tensors, nbytes, prepare_input, tensors
 from partitioner.profile import ProfileError
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.spec import ModelSpec
@@ -24,23 +25,52 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int]:
 def saved_bytes(layer: nn.Module, x: Any) -> int:
     """Bytes autograd keeps for this layer's backward: unique storages of the saved tensors, parameters
     excluded (the planner counts those separately)."""
-    exclude = {_storage_key(p) for p in layer.parameters()}
+    return _saved(lambda: layer(x), {_storage_key(p) for p in layer.parameters()})
+
+
+def loss_bytes(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any, target: Any, device: torch.device) -> int:
+    """Memory the loss takes beyond the last layer's output, from its forward to the end of its backward, on top
+    of what the last stage holds (profile.json `loss_bytes`). On CUDA the allocator's peak over that window
+    (the GPT's fp32 logits, log-softmax and their gradients: about 12 bytes per logit); elsewhere what the loss
+    saves for its backward and the gradient of its input, a lower bound (temporaries are not seen)."""
+    x = prepare_input(output, device, None)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        loss_fn(x, target).backward()
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - base)
+    given = {_storage_key(t) for t in (*tensors(x), *tensors(target))}  # the stage holds these anyway
+    return _saved(lambda: loss_fn(x, target), given) + nbytes(x)
+
+
+def _saved(run: Callable[[], Any], exclude: set[tuple[int, int]]) -> int:
+    """Unique storages of the tensors autograd saves while `run()` builds its graph, those in `exclude` aside."""
     seen: dict[tuple[int, int], int] = {}
+    alive: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> tuple[int, int]:
         key = _storage_key(t)
         if key not in exclude and key[0] != 0:
             seen[key] = key[1]
-        # Not the tensor: a graph holding its own output through a pack hook is a reference cycle through
-        # C++ that Python's collector cannot free, and planning on the spot kept every layer's activations
-        # on rank 0's GPU for the whole run (7.5 GiB on the GPT of benchmarks/gpu at microbatch 8).
+        # Its storage stays alive until the measurement ends, as the graph would keep it: otherwise a saved
+        # intermediate is freed at once, the next tensor of its size takes its address and the two count once
+        # (on a GPU, whose caching allocator hands a freed block straight back: a GPT block (d 2048) measured
+        # 448.6 MiB at microbatch 8, 14 of the 16 activation-sized tensors it saves, as counted on CPU).
+        # Detached: the storage without the graph, so no path back to the nodes that save it.
+        alive.append(t.detach())
+        # The key, not the tensor, goes into the graph: a graph holding its own output through a pack hook is a
+        # reference cycle through C++ that Python's collector cannot free, and planning on the spot kept every
+        # layer's activations on rank 0's GPU for the whole run (7.5 GiB on the GPT of benchmarks/gpu at
+        # microbatch 8).
         return key
 
     def unpack(key: tuple[int, int]) -> torch.Tensor:
         raise RuntimeError("saved_bytes only measures: its graph is never run backward")
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        layer(x)
+        run()
     return sum(seen.values())
 
 

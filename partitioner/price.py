@@ -57,7 +57,7 @@ def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int,
         weight = 0.0 if lay.backward_weight_ms is None else float(lay.backward_weight_ms[a:b].sum())
         out.append(StageCost(fwd, float(lay.backward_ms[a:b].sum()) + float(extra_b), send, ar, p,
                              float(lay.activation_bytes[a:b].sum()), lay.optimizer_ms_per_byte * p, nbytes, weight,
-                             lay.latency_ms, lay.message_ms))
+                             lay.latency_ms, lay.message_ms, lay.loss_bytes if b == L else 0.0))
     return out
 
 

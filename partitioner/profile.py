@@ -5,7 +5,9 @@ read files with them): per layer `backward_accumulate_ms`, the backward when gra
 (every microbatch of a step but the first), and `backward_weight_ms`, the weight-gradient (W) share of the
 backward that zero-bubble schedules defer (pipeflow/split.py); at the top, `loss_ms` (the loss's forward and
 backward per microbatch) and `optimizer_ms_per_byte` ({"adam": ..., "sgd": ...}: one optimizer step per
-parameter byte). The planner uses them when present and counts them as 0 (or backward_ms) when absent;
+parameter byte), and `loss_bytes`, the memory the loss takes beyond its input from its forward to the end of
+its backward (on the last stage's peak). The planner uses them when present and counts them as 0 (or
+backward_ms) when absent;
 an absent `backward_weight_ms` is estimated (Profile.weight_column). Per layer `forward_gemm_ms`,
 `backward_gemm_ms` and `backward_accumulate_gemm_ms` are the same times with gradient accumulation inside the
 weight GEMMs, where pipeflow-profile timed both ways (partitioner/accumulation.py). Also optional at the top, the
@@ -115,6 +117,7 @@ class Profile:
     update_ms: float | None = None  # the runtime's own time per optimizer update beyond its profile (calibrated)
     compute_factor: float | None = None  # the layers' time in a running stage / as profiled (calibrated)
     timing: str | None = None  # how the layers were timed (pipeflow-profile --timing; CPU: only "stage" is written)
+    loss_bytes: float | None = None  # the loss's memory beyond its input, forward to backward (layermem.loss_bytes)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -141,6 +144,9 @@ class Profile:
             layer.check(f"{source}: layers[{i}]")
         if self.loss_ms is not None and (not _is_number(self.loss_ms) or not 0 <= self.loss_ms <= MAX_MS):
             raise ProfileError(f"{source}: loss_ms must be a number in [0, {MAX_MS:g}], found {_show(self.loss_ms)}")
+        if self.loss_bytes is not None and (not _is_number(self.loss_bytes) or not 0 <= self.loss_bytes <= MAX_BYTES):
+            raise ProfileError(f"{source}: loss_bytes must be a number in [0, {MAX_BYTES:g}], found "
+                               f"{_show(self.loss_bytes)}")
         opt = self.optimizer_ms_per_byte
         if not isinstance(opt, dict) or not all(isinstance(k, str) and _is_number(v) and 0 <= v <= MAX_MS
                                                 for k, v in opt.items()):
@@ -194,6 +200,8 @@ class Profile:
                                         for layer in self.layers]}
         if self.loss_ms is not None:
             d["loss_ms"] = self.loss_ms
+        if self.loss_bytes is not None:
+            d["loss_bytes"] = self.loss_bytes
         if self.optimizer_ms_per_byte:
             d["optimizer_ms_per_byte"] = self.optimizer_ms_per_byte
         if self.others:
@@ -236,7 +244,8 @@ class Profile:
                        link_bandwidth=d.get("link_bandwidth"), action_ms=d.get("action_ms"),
                        message_ms=d.get("message_ms"), latency_ms=d.get("latency_ms"),
                        step_gap_ms=d.get("step_gap_ms"), layer_ms=d.get("layer_ms"), update_ms=d.get("update_ms"),
-                       compute_factor=d.get("compute_factor"), timing=d.get("timing"))
+                       compute_factor=d.get("compute_factor"), timing=d.get("timing"),
+                       loss_bytes=d.get("loss_bytes"))
         except ProfileError as e:
             # __post_init__ validated with the default source name; say which file.
             raise ProfileError(str(e).replace("profile: ", f"{source}: ", 1)) from None

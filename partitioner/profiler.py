@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from partitioner.chain import time_as_a_stage
-from partitioner.layermem import check_microbatch_fits, sandbox_copy, saved_bytes
+from partitioner.layermem import check_microbatch_fits, loss_bytes, sandbox_copy, saved_bytes
 from partitioner.measure import (
     RANK_THREADS,
     Timer,
@@ -173,8 +173,10 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
                 s.update({f"{k.removesuffix('_ms')}_gemm_ms": t[k]
                           for k in ("forward_ms", "backward_ms", "backward_accumulate_ms")})
         try:
-            loss_ms = time_loss(spec.loss_fn, prepare_input(x, dev, None), map_tensors(y, lambda t: t.to(dev)), timer,
-                                warmup=warmup, repeats=repeats)
+            target = map_tensors(y, lambda t: t.to(dev))
+            loss_ms = time_loss(spec.loss_fn, prepare_input(x, dev, None), target, timer, warmup=warmup,
+                                repeats=repeats)
+            loss_mem = loss_bytes(spec.loss_fn, x, target, dev)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ProfileError(f"the model's loss failed on the last layer's output: {e}") from None
         opt = optimizer and optimizer_ms_per_byte(
@@ -186,7 +188,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
         warnings.append(note)
     return Profile(spec.name or "model", dict(spec.args), dev.type, name, microbatch_size,
                    [LayerProfile(**s) for s in layers], loss_ms, {optimizer: opt} if optimizer and opt else {},
-                   link_bandwidth=gpu_link_bandwidth(dev),
+                   link_bandwidth=gpu_link_bandwidth(dev), loss_bytes=loss_mem,
                    timing=timing if dev.type == "cuda" or timing == "stage" else None)
 
 

@@ -49,6 +49,7 @@ class StageCost:
     latency_ms: float = 0.0  # each message's delay beyond bytes / bandwidth, after which the receiver has it
     message_ms: float = 0.0  # the sender's own time per message, the end of the F (B) that sends it: the
     # transfer starts with it (a send the calling thread writes, gloo's, holds the transfer in that time)
+    transient_bytes: float = 0.0  # held on top of the in-flight activations at the peak (the loss's, last stage)
 
 
 @dataclass
@@ -250,7 +251,7 @@ def _stage_peaks(sched: Schedule, stages: Sequence[StageCost], peak: list[int], 
         mine = stages[s % S::S]
         # Copies of the weights beside the live ones, as stash.py holds them (ScheduleKind.stashed_versions).
         weights = sum(c.parameter_bytes for c in mine) * (2 + OPTIMIZER_STATES[optimizer] + kind.stashed_versions(n))
-        mem.append(weights + n * max(c.activation_bytes for c in mine))
+        mem.append(weights + n * max(c.activation_bytes for c in mine) + max(c.transient_bytes for c in mine))
         fl.append(n)
     return mem, fl
 

@@ -168,6 +168,22 @@ def test_memory_per_schedule() -> None:
     assert float(CostModel(lay, topo, "2bw", 8, "adam").memory_bytes(2, 4, 1, 1)) == 20 * (4 + 1) + 200  # last
 
 
+def test_the_loss_memory_is_on_the_last_stage_only() -> None:
+    """profile.loss_bytes (the loss's logits and gradients, forward to backward) adds to the peak of the stage
+    holding the last layer, in the DP's memory and the simulator's alike."""
+    lay = uniform(4, params=10.0, act=100.0)
+    lay.loss_bytes = 5000.0
+    model = CostModel(lay, Topology.default(4), "1f1b", 8, "adam")
+    assert float(model.memory_bytes(2, 4, 1, 1)) == 20 * 4 + 200 + 5000  # the last two layers, the loss
+    assert float(model.memory_bytes(0, 2, 1, 2)) == 20 * 4 + 2 * 200  # the first two: no loss
+    layers = [LayerProfile(f"l{i}", 1.0, 2.0, 0, 100, 10) for i in range(4)]
+    for loss, want in ((None, 0.0), (5000.0, 5000.0)):
+        prof = Profile("m", {}, "cpu", "float32", 1, layers, loss_bytes=loss)
+        plan = plan_from_profile(prof, 2, schedule="1f1b", microbatches=8, straight=True)
+        peaks = plan.predicted["peak_memory_bytes"]
+        assert peaks == [20 * 4 + 2 * 200, 20 * 4 + 200 + want], (loss, peaks)
+
+
 @pytest.mark.parametrize("text,bps", [("300GB/s", 300e9), ("25GiB/s", 25 * 2**30), ("100Gb/s", 12.5e9),
                                       ("1e9B/s", 1e9), ("10 GBps", 10e9)])
 def test_parse_bandwidth(text: str, bps: float) -> None:
