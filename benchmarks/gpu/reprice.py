@@ -11,7 +11,8 @@ time). Two layouts:
   calibration;
 - rows naming their profile, and `calibrations` in rows.json: named lists of traced runs (profile, plan,
   trace; a trace may be gzipped) that partitioner.calibrate reads together: a column per calibration.
-Prints the markdown table of benchmarks/gpu/README.md.
+Prints the markdown table of benchmarks/gpu/README.md; with `memory_rows` in rows.json (plan, profile and the
+peak GiB per rank measured), the predicted peaks against them too.
 """
 from __future__ import annotations
 
@@ -73,7 +74,22 @@ def main(argv: list[str] | None = None) -> int:
         cells = [cell(prof, plan, row["measured_ms"])]
         cells += [cell(with_costs(prof, costs), plan, row["measured_ms"]) for costs in found.values()]
         print(f"| {row['row']} | {row['measured_ms']:.1f} | " + " | ".join(cells) + " |")
+    memory(a.folder, meta)
     return 0
+
+
+def memory(folder: Path, meta: dict[str, Any]) -> None:
+    """`memory_rows` in rows.json (plan, profile, measured peak GiB per rank): the plan's predicted peaks."""
+    if not meta.get("memory_rows"):
+        return
+    print("\nPeak memory per rank (GiB), predicted against measured:\n")
+    print("| row | measured | predicted |")
+    print("|---|---|---|")
+    for row in meta["memory_rows"]:
+        plan, prof = Plan.load(str(folder / row["plan"])), Profile.load(str(folder / row["profile"]))
+        peaks = evaluate_plan(prof, plan, topology=meta["topology"], optimizer="adam").plan.predicted
+        got = " / ".join(f"{x / 2**30:.2f}" for x in peaks["peak_memory_bytes"])
+        print(f"| {row['row']} | {' / '.join(f'{x:.2f}' for x in row['measured_gib'])} | {got} |")
 
 
 if __name__ == "__main__":
