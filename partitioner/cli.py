@@ -14,6 +14,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from partitioner.accumulation import gemm_variant
 from partitioner.auto import AUTO, candidates_table, plan_schedule
 from partitioner.batch import global_batch_table, plan_global_batch
 from partitioner.inputs import check_microbatches, resolve_topology
@@ -115,6 +116,10 @@ def _evaluate(args: argparse.Namespace, profile: Profile) -> Planned:
         raise PlanError("--global-batch shapes a search; --evaluate prices the plan as written")
     if args.memory_per_worker is not None or args.straight:
         raise PlanError("--memory-per-worker and --straight shape a search; --evaluate prices the plan as written")
+    if plan.accumulation == "gemm" and gemm_variant(profile) is None:
+        print(f"pipeflow-plan: warning: {args.evaluate} accumulates in the GEMMs but the profile has no gemm times "
+              "(*_gemm_ms): priced with its own, right if it was profiled under PIPEFLOW_GRAD_ACCUM=gemm",
+              file=sys.stderr)
     return evaluate_plan(profile, plan, topology=args.topology, optimizer=args.optimizer,
                          keep_timeline=args.timeline is not None)
 

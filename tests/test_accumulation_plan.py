@@ -61,6 +61,18 @@ def test_the_planner_keeps_the_faster_accumulation(tmp_path: Path, capsys: pytes
             assert got["predicted"]["step_ms"] == pytest.approx(want)
 
 
+def test_evaluating_a_gemm_plan_on_a_profile_without_gemm_times_says_so(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    src, given = tmp_path / "profile.json", tmp_path / "given.json"
+    Profile("m", {}, "cuda", "bfloat16", 1, [LayerProfile("a", 2.0, 4.0, 1000, 10**6, 10**6)]).save(src)
+    given.write_text(json.dumps({"format": "pipeflow.plan/1", "schedule": "1f1b", "microbatches": 2, "workers": 1,
+                                 "accumulation": "gemm", "stages": [{"layers": [0, 1], "replicas": 1, "ranks": [0]}]}))
+    assert main([str(src), "--evaluate", str(given), "-o", str(tmp_path / "out.json")]) == 0
+    assert capsys.readouterr().err.strip() == (
+        f"pipeflow-plan: warning: {given} accumulates in the GEMMs but the profile has no gemm times (*_gemm_ms): "
+        "priced with its own, right if it was profiled under PIPEFLOW_GRAD_ACCUM=gemm")
+
+
 def test_a_profile_without_gemm_times_plans_as_before() -> None:
     prof = Profile("m", {}, "cuda", "bfloat16", 1, [LayerProfile("a", 2.0, 4.0, 1000, 10**6, 10**6)])
     assert gemm_variant(prof) is None
