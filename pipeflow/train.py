@@ -111,9 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "shared by its ranks)")
     p.add_argument("--warmup", default="plan",
                    help="1f1b and 2bw forwards before the first backward, per stage: plan (default: the plan's, which "
-                        "pipeflow-plan deepens where its simulation gains; else min), min (DAPPLE, S-1-s), fill "
-                        "(keep early stages busy until their first gradient returns; more activation memory), "
-                        "or N,N,...")
+                        "pipeflow-plan deepens for 1f1b where its simulation gains; else min), min (DAPPLE, "
+                        "S-1-s), fill (keep early stages busy until their first gradient returns; more activation "
+                        "memory), or N,N,...")
     return p
 
 
