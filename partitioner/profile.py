@@ -118,6 +118,8 @@ class Profile:
     compute_factor: float | None = None  # the layers' time in a running stage / as profiled (calibrated)
     timing: str | None = None  # how the layers were timed (pipeflow-profile --timing; CPU: only "stage" is written)
     loss_bytes: float | None = None  # the loss's memory beyond its input, forward to backward (layermem.loss_bytes)
+    # not in the file: the device's peak while profiling (layermem.loss_bytes resets CUDA's peak statistic)
+    device_peak_bytes: int | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.validate()

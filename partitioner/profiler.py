@@ -174,6 +174,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
                           for k in ("forward_ms", "backward_ms", "backward_accumulate_ms")})
         try:
             target = map_tensors(y, lambda t: t.to(dev))
+            peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None  # loss_bytes resets it
             loss_ms = time_loss(spec.loss_fn, prepare_input(x, dev, None), target, timer, warmup=warmup,
                                 repeats=repeats)
             loss_mem = loss_bytes(spec.loss_fn, x, target, dev)
@@ -189,6 +190,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     return Profile(spec.name or "model", dict(spec.args), dev.type, name, microbatch_size,
                    [LayerProfile(**s) for s in layers], loss_ms, {optimizer: opt} if optimizer and opt else {},
                    link_bandwidth=gpu_link_bandwidth(dev), loss_bytes=loss_mem,
+                   device_peak_bytes=None if peak is None else max(peak, torch.cuda.max_memory_allocated(dev)),
                    timing=timing if dev.type == "cuda" or timing == "stage" else None)
 
 

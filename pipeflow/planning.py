@@ -110,7 +110,7 @@ def plan_on_the_spot(args: TrainConfig, spec: ModelSpec, world_size: int, rank: 
             profile, *others = [profile_model(spec, b, device, dtype=args.dtype, warmup=1, repeats=3, seed=args.seed,
                                               optimizer=args.optimizer, warnings=notes) for b in sizes]
             profile.others = others
-            forget_profiling(device)
+            forget_profiling(device, max((p.device_peak_bytes or 0 for p in (profile, *others)), default=0))
             for note in notes:
                 log.warning("profiling on the spot: %s", note)
             # Without --schedule: the fastest flush schedule (--schedule auto), all equal to single-process training.
@@ -140,15 +140,16 @@ def plan_on_the_spot(args: TrainConfig, spec: ModelSpec, world_size: int, rank: 
     return Plan.from_json(value, source="the plan made on the spot")
 
 
-def forget_profiling(device: str) -> None:
+def forget_profiling(device: str, peak: int = 0) -> None:
     """After profiling on the spot on a GPU: the peak memory training reports (runner.py) must be training's,
     not the profile's (`--timing stage` runs the whole model's chain on rank 0), nor the profile's cached blocks
     held. Logs the profile's own peak, then frees and resets. (Rank 0's 17.39 GiB for a 13.82 GiB training on 2
-    H100s, and 32.59 for 25.07 on 2 H200s, were tensors the profiler leaked, not its peak: partitioner/layermem.py.)"""
+    H100s, and 32.59 for 25.07 on 2 H200s, were tensors the profiler leaked, not its peak: partitioner/layermem.py.)
+    `peak`: the profiles' own record of it (the loss's memory measurement resets CUDA's statistic midway)."""
     if device != "cuda":
         return
     log.info("profiling on the spot peaked at %.2f GiB of this GPU (not in training's peak below)",
-             torch.cuda.max_memory_allocated() / 2**30)
+             max(peak, torch.cuda.max_memory_allocated()) / 2**30)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
 

@@ -210,3 +210,7 @@ def test_on_the_spot_a_gpus_peak_memory_is_training_s_not_the_profile_s(monkeypa
         forget_profiling("cuda")
     assert calls == ["peak", "empty", "reset"]
     assert "profiling on the spot peaked at 17.39 GiB of this GPU (not in training's peak below)" in caplog.text
+    # the profiles' own record wins where it is higher: measuring the loss's memory resets CUDA's peak midway
+    with caplog.at_level("INFO", logger="pipeflow"):
+        forget_profiling("cuda", 20 * 2**30)
+    assert "profiling on the spot peaked at 20.00 GiB of this GPU" in caplog.text
