@@ -31,7 +31,7 @@ from partitioner.measure import (
 from partitioner.profile import TIMINGS, LayerProfile, Profile, ProfileError
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.spec import ModelError, ModelSpec, build_model, model_dtype, parse_model_args
-from pipeflow.split import gemm_accumulation, time_split_backward
+from pipeflow.split import gemm_accumulation, splittable, time_split_backward
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 # --timing when not given, by device (False: CPU, True: CUDA). On 2 x H200 (benchmarks/gpu/README.md) the stage
@@ -123,9 +123,9 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     runs them, the whole chain's forward then its backward with no wait between layers (measure.time_chain).
     None: DEFAULT_TIMING of the device. Recorded in the profile.
 
-    `gemm` (None: on CUDA): with --timing stage and PIPEFLOW_GRAD_ACCUM unset, the chain is timed a second time
-    with each nn.Linear adding its weight gradient inside the GEMM, into the layers' *_gemm_ms fields, so that
-    pipeflow-plan can choose the faster (partitioner/accumulation.py)."""
+    `gemm` (None: on CUDA): with --timing stage, PIPEFLOW_GRAD_ACCUM unset and an nn.Linear in the model, the
+    chain is timed a second time with each nn.Linear adding its weight gradient inside the GEMM, into the layers'
+    *_gemm_ms fields, so that pipeflow-plan can choose the faster (partitioner/accumulation.py)."""
     if dtype is not None and dtype not in DTYPES:
         raise ProfileError(f"--dtype must be one of {', '.join(DTYPES)}, found {dtype!r}")
     dev = torch.device(device)
@@ -165,7 +165,8 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
             layers.append(stats)
         chain = time_as_a_stage(spec, layers, first, dev, torch_dtype, warmup=warmup, repeats=repeats,
                                 fuse=fuse) if timing == "stage" else None
-        if chain is not None and "PIPEFLOW_GRAD_ACCUM" not in os.environ and (
+        linears = any(splittable(m) for layer in spec.layers for m in layer.modules())  # else gemm changes nothing
+        if chain is not None and linears and "PIPEFLOW_GRAD_ACCUM" not in os.environ and (
                 gemm if gemm is not None else dev.type == "cuda"):  # the knob set: the ranks accumulate its way
             twin = [dict(s) for s in layers]
             time_as_a_stage(spec, twin, first, dev, torch_dtype, warmup=warmup, repeats=repeats, fuse=True)

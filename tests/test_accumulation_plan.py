@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from partitioner.accumulation import gemm_variant
 from partitioner.cli import main
@@ -97,6 +98,14 @@ def test_the_profiler_times_the_chain_both_ways_and_the_file_keeps_them(tmp_path
     knob = profile_model(build_model("gpt", GPT), 2, "cpu", warmup=0, repeats=1, timing="stage", gemm=True)
     assert all(x.forward_gemm_ms is None for x in knob.layers)
     monkeypatch.delenv("PIPEFLOW_GRAD_ACCUM")
+    # a model without an nn.Linear: gemm would change nothing, so nothing is timed twice
+    mlp = profile_model(build_model("mlp", {"layers": 2}), 2, "cpu", warmup=0, repeats=1, timing="stage", gemm=True)
+    assert any(x.forward_gemm_ms is not None for x in mlp.layers)  # the mlp has Linears: timed
+    from pipeflow.spec import ModelSpec
+    data = torch.utils.data.TensorDataset(torch.randn(8, 3, 8), torch.randn(8, 4, 6))
+    conv = ModelSpec([torch.nn.Conv1d(3, 4, 3)], torch.nn.functional.mse_loss, data)
+    assert all(x.forward_gemm_ms is None
+               for x in profile_model(conv, 2, "cpu", warmup=0, repeats=1, timing="stage", gemm=True).layers)
     # on CPU by default the chain is timed once (gemm: None means CUDA only)
     plain = profile_model(build_model("gpt", GPT), 2, "cpu", warmup=0, repeats=1, timing="stage")
     assert all(x.forward_gemm_ms is None for x in plain.layers)
