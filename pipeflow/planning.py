@@ -24,9 +24,11 @@ def make_plan(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, mp
     """The plan from --plan; an even or explicit split (--layers-per-stage); otherwise rank 0 profiles
     the layers and runs the planner for this many workers, and every rank gets its plan."""
     plan = _make_plan(args, spec, world_size, rank, mpi)
-    # checked here, before any process group: one line, exit 2 (with the plan's warm-up; --warmup's counts
-    # are checked where the schedule is generated)
-    why = schedule_kind(plan.schedule).violation(plan.microbatches, plan.replicas, plan.warmup)
+    # checked here, before any process group: one line, exit 2 (with the warm-up that will run: --warmup's
+    # counts, else the plan's; 2bw's replicas need a share of each minibatch that covers it)
+    counts = resolve_warmup(args.warmup, plan)
+    why = schedule_kind(plan.schedule).violation(plan.microbatches, plan.replicas,
+                                                 counts if counts is not None else plan.warmup)
     if why:
         raise UsageError(why)
     return plan
@@ -192,15 +194,6 @@ def resolve_warmup(text: str, plan: Plan) -> list[int] | None:
     if len(counts) != len(plan.stages):
         raise UsageError(f"--warmup gives {len(counts)} counts but the plan has {len(plan.stages)} stages")
     return counts
-
-
-def check_warmup(text: str, plan: Plan) -> None:
-    """--warmup against the plan, before any process group: the counts it names must suit the schedule (2bw:
-    each replica's share of a minibatch covers its warm-up forwards)."""
-    counts = resolve_warmup(text, plan)
-    why = counts is not None and schedule_kind(plan.schedule).violation(plan.microbatches, plan.replicas, counts)
-    if why:
-        raise UsageError(why)
 
 
 def check_ties(spec: ModelSpec, plan: Plan) -> None:

@@ -3,18 +3,17 @@ and W (weight gradients) of zero-bubble schedules (Qi et al., "Zero Bubble Pipel
 without running autograd twice; and gradient accumulation inside the weight GEMM.
 
 Accumulation (gemm: plan.json's `accumulation`, which pipeflow-plan chooses, or PIPEFLOW_GRAD_ACCUM=gemm; autograd
-is plain PyTorch's): every microbatch of a step but
-the first adds its weight gradients into `.grad`. Autograd computes each into a new tensor, then adds it: on an
-H100 that made the backward of 13 GPT blocks (d 2048, bf16) 2.4 ms slower than into no gradients at microbatch 8
-(+5.6%) and 1.8 ms at microbatch 2 (+15%). With `gemm` the weight GEMM adds it itself (beta = 1, Megatron-LM's
-gradient accumulation fusion), in B and in W alike, which took back 1.7 and 1.1 ms of those. It costs host time
-(a Python autograd Function per nn.Linear, forward and backward, called through the C apply: about 4.5 µs per
-call on the 2-core CPU machine, 8.7 before), so it pays only where the GPU, not the host, sets the pace: 1f1b on
-2 H100s ran 2.7% faster at microbatch 4 and 18% slower at microbatch 2 (benchmarks/gpu/README.md). Only where
-nothing observes the accumulation: the weight already has a `.grad` of the gradient's dtype and no gradient hooks
-(a replica reducer registers its hooks only for the backward it listens to, pipeflow/reduce.py); elsewhere
-autograd accumulates as before. The sum is rounded once instead of twice, so results differ from autograd's in
-the last bits.
+is plain PyTorch's): every microbatch of a step but the first adds its weight gradients into `.grad`. Autograd
+computes each into a new tensor, then adds it: on an H100 that made the backward of 13 GPT blocks (d 2048, bf16) 2.4
+ms slower than into no gradients at microbatch 8 (+5.6%) and 1.8 ms at microbatch 2 (+15%). With `gemm` the weight
+GEMM adds it itself (beta = 1, Megatron-LM's gradient accumulation fusion), in B and in W alike, which took back 1.7
+and 1.1 ms of those. It costs host time (a Python autograd Function per nn.Linear, forward and backward, called
+through the C apply: about 4.5 µs per call on the 2-core CPU machine, 8.7 before), so it pays only where the GPU,
+not the host, sets the pace: 1f1b on 2 H100s ran 2.7% faster at microbatch 4 and 18% slower at microbatch 2
+(benchmarks/gpu/README.md). Only where nothing observes the accumulation: the weight already has a `.grad` of the
+gradient's dtype and no gradient hooks (a replica reducer registers its hooks only for the backward it listens to,
+pipeflow/reduce.py); elsewhere autograd accumulates as before. The sum is rounded once instead of twice, so results
+differ from autograd's in the last bits.
 
 Which layers split: every `nn.Linear` instance (exactly that type) of a stage whose forward runs through its own
 `forward`. Its autograd Function's backward returns the input gradient and the bias gradient (cheap) at once;

@@ -24,7 +24,7 @@ from partitioner.plan import PlanError
 from pipeflow import config
 from pipeflow.failure import UsageError
 from pipeflow.outputs import prepare_outputs, release_checkpoint_lock
-from pipeflow.planning import check_ties, check_warmup, make_plan
+from pipeflow.planning import check_ties, make_plan
 from pipeflow.runner import DTYPES, run
 from pipeflow.schedule import SCHEDULES, ScheduleError
 from pipeflow.spec import ModelError, build_model, parse_model_args
@@ -234,7 +234,6 @@ def _main(args: argparse.Namespace, comm: Control, watchdog: Any) -> int:
             cfg = dataclasses.replace(cfg, microbatch_size=int(plan.extra["planner"]["microbatch_size"]))
         list_size = config.check_plan(plan, cfg, SCHEDULES)
         check_ties(spec, plan)
-        check_warmup(cfg.warmup, plan)
     except (UsageError, PlanError, ModelError, ScheduleError, ValueError) as e:
         error = str(e)
     errors = comm.allgather(error)

@@ -131,3 +131,21 @@ def test_the_runtime_runs_the_plans_warm_up_and_trains_the_same() -> None:
         assert got is not None
         for k in want:
             torch.testing.assert_close(got[k], want[k])
+
+
+def test_the_warm_up_that_will_run_is_checked_before_any_process_group() -> None:
+    """make_plan checks the schedule's rule with --warmup's counts, else the plan's: 2bw at m = 3 cannot warm up
+    with 4 forwards (the share of a minibatch it needs), but can with 3."""
+    from pipeflow.failure import UsageError
+    from pipeflow.planning import make_plan
+    from pipeflow.spec import build_model
+    from pipeflow.train import build_parser
+
+    spec = build_model("mlp", {"layers": 6})
+    flags = ["--model", "mlp", "--schedule", "2bw", "--microbatches", "3", "--layers-per-stage", "3,3"]
+    with pytest.raises(UsageError) as e:
+        make_plan(build_parser().parse_args([*flags, "--warmup", "4,0"]), spec, 2, 0, None)
+    assert str(e.value) == ("2bw needs every replica's share of a minibatch (--microbatches // replicas) to cover its "
+                            "warm-up forwards (two weight versions), found stage 0 with 1 replica(s) and 4 warm-up "
+                            "forward(s) at 3 microbatches")
+    assert make_plan(build_parser().parse_args([*flags, "--warmup", "3,0"]), spec, 2, 0, None).schedule == "2bw"
