@@ -6,7 +6,8 @@ read files with them): per layer `backward_accumulate_ms`, the backward when gra
 backward that zero-bubble schedules defer (pipeflow/split.py); at the top, `loss_ms` (the loss's forward and
 backward per microbatch) and `optimizer_ms_per_byte` ({"adam": ..., "sgd": ...}: one optimizer step per
 parameter byte), and `loss_bytes`, the memory the loss takes beyond its input from its forward to the end of
-its backward (on the last stage's peak). The planner uses them when present and counts them as 0 (or
+its backward (on the last stage's peak); `ranks_per_host`, how many processes computed at once while the layers
+were timed (pipeflow-profile --ranks-per-host; absent: one). The planner uses them when present and counts them as 0 (or
 backward_ms) when absent;
 an absent `backward_weight_ms` is estimated (Profile.weight_column). Per layer `forward_gemm_ms`,
 `backward_gemm_ms` and `backward_accumulate_gemm_ms` are the same times with gradient accumulation inside the
@@ -118,6 +119,7 @@ class Profile:
     compute_factor: float | None = None  # the layers' time in a running stage / as profiled (calibrated)
     timing: str | None = None  # how the layers were timed (pipeflow-profile --timing; CPU: only "stage" is written)
     loss_bytes: float | None = None  # the loss's memory beyond its input, forward to backward (layermem.loss_bytes)
+    ranks_per_host: int | None = None  # timed beside this many - 1 busy companions (pipeflow-profile --ranks-per-host)
     # not in the file: the device's peak while profiling (layermem.loss_bytes resets CUDA's peak statistic)
     device_peak_bytes: int | None = field(default=None, compare=False, repr=False)
 
@@ -162,6 +164,9 @@ class Profile:
         if f is not None and (not _is_number(f) or not 0 < f <= MAX_COMPUTE_FACTOR):
             raise ProfileError(f"{source}: compute_factor must be a number in (0, {MAX_COMPUTE_FACTOR:g}], "
                                f"found {_show(f)}")
+        r = self.ranks_per_host
+        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 1):
+            raise ProfileError(f"{source}: ranks_per_host must be a positive integer, found {_show(r)}")
         if self.timing is not None and self.timing not in TIMINGS:
             raise ProfileError(f"{source}: timing must be one of {', '.join(TIMINGS)}, found {_show(self.timing)}")
         bw = self.link_bandwidth
@@ -212,6 +217,8 @@ class Profile:
             d["link_bandwidth"] = self.link_bandwidth
         if self.timing is not None:
             d["timing"] = self.timing
+        if self.ranks_per_host is not None:
+            d["ranks_per_host"] = self.ranks_per_host
         d.update({k: getattr(self, k) for k in (*RUNTIME_NUMBERS, "compute_factor") if getattr(self, k) is not None})
         return d
 
@@ -247,7 +254,7 @@ class Profile:
                        message_ms=d.get("message_ms"), latency_ms=d.get("latency_ms"),
                        step_gap_ms=d.get("step_gap_ms"), layer_ms=d.get("layer_ms"), update_ms=d.get("update_ms"),
                        compute_factor=d.get("compute_factor"), timing=d.get("timing"),
-                       loss_bytes=d.get("loss_bytes"))
+                       loss_bytes=d.get("loss_bytes"), ranks_per_host=d.get("ranks_per_host"))
         except ProfileError as e:
             # __post_init__ validated with the default source name; say which file.
             raise ProfileError(str(e).replace("profile: ", f"{source}: ", 1)) from None

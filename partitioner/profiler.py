@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-from typing import Any
+from contextlib import ExitStack
 
 import torch
 from torch import nn
 
 from partitioner.chain import time_as_a_stage
-from partitioner.layermem import check_microbatch_fits, loss_bytes, sandbox_copy, saved_bytes
+from partitioner.companion import CompanionError, companion_devices, companions
+from partitioner.layermem import check_microbatch_fits, loss_bytes, sandbox_copy
+from partitioner.layertime import profile_layer
 from partitioner.measure import (
     RANK_THREADS,
     Timer,
@@ -25,13 +26,12 @@ from partitioner.measure import (
     optimizer_ms_per_byte,
     prepare_input,
     spread,
-    tensors,
     time_loss,
 )
 from partitioner.profile import TIMINGS, LayerProfile, Profile, ProfileError
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.spec import ModelError, ModelSpec, build_model, model_dtype, parse_model_args
-from pipeflow.split import gemm_accumulation, splittable, time_split_backward
+from pipeflow.split import gemm_accumulation, splittable
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 # --timing when not given, by device (False: CPU, True: CUDA). On 2 x H200 (benchmarks/gpu/README.md) the stage
@@ -40,69 +40,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 DEFAULT_TIMING = {False: "idle", True: "stage"}
 
 
-def _time_forward_backward(layer: nn.Module, x: Any, timer: Timer, *, accumulate: bool) -> tuple[float, float]:
-    """One forward, then backward from random output gradients (what the next stage would send); with
-    `accumulate` into the gradients the parameters already hold, as every microbatch of a step but the first
-    does (the input's gradient is fresh either way, as a received activation's is)."""
-    if not accumulate:
-        layer.zero_grad(set_to_none=True)
-    for t in tensors(x):
-        t.grad = None
-    holder: dict[str, Any] = {}
-
-    def forward() -> None:
-        holder["y"] = layer(x)
-
-    t_f = timer(forward)
-    ys = [t for t in tensors(holder["y"]) if t.requires_grad]
-    grads = [torch.randn_like(t) for t in ys]
-    t_b = timer(lambda: torch.autograd.backward(ys, grads) if ys else None)
-    return t_f, t_b
-
-
-def profile_layer(layer: nn.Module, x: Any, *, device: torch.device, dtype: torch.dtype | None, warmup: int,
-                  repeats: int, held: bool = False) -> tuple[dict[str, Any], Any]:
-    """Measure one layer on input `x`; returns its numbers and its (detached) output for the next layer.
-    `held`: on CUDA, time its kernels back to back (measure.Timer) instead of each call from an idle device."""
-    timer = Timer(device, held=held)
-    x = prepare_input(x, device, dtype)
-    with torch.no_grad():
-        out = layer(x)
-    outs = list(tensors(out))
-    if not outs:
-        raise ProfileError(f"layer {type(layer).__name__} returned {type(out).__name__}: expected a tensor or a "
-                           "tuple of tensors")
-    output_bytes = sum(t.numel() * t.element_size() for t in outs)
-    parameter_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
-    activation_bytes = saved_bytes(layer, x)
-
-    fwd: list[float] = []
-    bwd: list[float] = []
-    acc: list[float] = []
-    passes: list[float] = []  # forward + backward of each repeat, for the spread between repeats
-    for it in range(warmup + repeats):
-        t_f, t_b = _time_forward_backward(layer, x, timer, accumulate=False)
-        t_f2, t_a = _time_forward_backward(layer, x, timer, accumulate=True)
-        if it >= warmup:
-            fwd += [t_f, t_f2]
-            bwd.append(t_b)
-            acc.append(t_a)
-            passes.append(t_f + t_b)
-    layer.zero_grad(set_to_none=True)
-    stats = {"name": type(layer).__name__, "forward_ms": statistics.median(fwd),
-             "backward_ms": statistics.median(bwd), "output_bytes": output_bytes,
-             "activation_bytes": activation_bytes, "parameter_bytes": parameter_bytes,
-             "backward_accumulate_ms": statistics.median(acc), "_passes": passes}
-    split = time_split_backward(layer, x, timer, warmup=warmup, repeats=repeats)  # zero bubble: B and W apart
-    if split is not None and sum(split) > 0:  # W's share of the (fused) backward
-        stats["backward_weight_ms"] = statistics.median(bwd) * split[1] / sum(split)
-    return stats, out
-
-
 def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.device = "cpu", *,
                   dtype: str | None = None, warmup: int = 2, repeats: int = 5, seed: int = 0,
                   optimizer: str | None = "adam", threads: int | None = None,
-                  warnings: list[str] | None = None, timing: str | None = None, gemm: bool | None = None) -> Profile:
+                  warnings: list[str] | None = None, timing: str | None = None, gemm: bool | None = None,
+                  ranks_per_host: int = 1) -> Profile:
     """Profile every layer of `spec` on one real microbatch of its dataset, in order (in-process API); then
     the loss on the last layer's output and a step of `optimizer` per parameter byte (None: not timed).
 
@@ -125,7 +67,10 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
 
     `gemm` (None: on CUDA): with --timing stage, PIPEFLOW_GRAD_ACCUM unset and an nn.Linear in the model, the
     chain is timed a second time with each nn.Linear adding its weight gradient inside the GEMM, into the layers'
-    *_gemm_ms fields, so that pipeflow-plan can choose the faster (partitioner/accumulation.py)."""
+    *_gemm_ms fields, so that pipeflow-plan can choose the faster (partitioner/accumulation.py).
+
+    `ranks_per_host` > 1: everything is timed while that many - 1 companion processes (on CUDA, one on each next
+    GPU) run the model's forward and backward, as a host's other ranks do (partitioner/companion.py)."""
     if dtype is not None and dtype not in DTYPES:
         raise ProfileError(f"--dtype must be one of {', '.join(DTYPES)}, found {dtype!r}")
     dev = torch.device(device)
@@ -141,8 +86,12 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     held = timing == "kernels"
     try:
         fuse = gemm_accumulation()  # as the ranks will accumulate (pipeflow/split.py)
-    except ValueError as e:
+        beside = companion_devices(dev.type, dev.index, ranks_per_host - 1,
+                                   torch.cuda.device_count() if dev.type == "cuda" else 0)
+    except (ValueError, CompanionError) as e:
         raise ProfileError(str(e)) from None
+    if beside and not spec.name:
+        raise ProfileError("ranks_per_host > 1 rebuilds the model in each companion: give it by name (build_model)")
     torch_dtype = DTYPES[dtype] if dtype is not None else None
     model = nn.ModuleList(spec.layers)
     in_dtype = torch_dtype or model_dtype(model)
@@ -151,8 +100,14 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     layers = []
     timer = Timer(dev, held=timing != "idle")  # the loss and the optimizer step: after other work in a stage
     # fork_rng restores the CPU and this GPU's generators
-    with torch.random.fork_rng(devices=cuda_devices), as_a_rank(dev, threads):
+    with torch.random.fork_rng(devices=cuda_devices), as_a_rank(dev, threads), ExitStack() as busy:
         check_microbatch_fits(spec, microbatch_size, dev, in_dtype, seed)
+        try:  # the companions stop when the block ends
+            busy.enter_context(companions({"model": spec.name, "model_args": dict(spec.args), "dtype": dtype,
+                                           "microbatch_size": microbatch_size, "seed": seed, "threads": threads},
+                                          beside))
+        except CompanionError as e:
+            raise ProfileError(f"--ranks-per-host {ranks_per_host}: {e}") from None
         x, y = MicrobatchLoader(spec.dataset, microbatch_size, seed=seed).microbatch(0)
         x = cast_floats_to(x, in_dtype)
         first = x
@@ -192,7 +147,8 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
                    [LayerProfile(**s) for s in layers], loss_ms, {optimizer: opt} if optimizer and opt else {},
                    link_bandwidth=gpu_link_bandwidth(dev), loss_bytes=loss_mem,
                    device_peak_bytes=None if peak is None else max(peak, torch.cuda.max_memory_allocated(dev)),
-                   timing=timing if dev.type == "cuda" or timing == "stage" else None)
+                   timing=timing if dev.type == "cuda" or timing == "stage" else None,
+                   ranks_per_host=ranks_per_host if beside else None)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -218,6 +174,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "layer's kernels back to back, the launches hidden; see docs/formats.md")
     p.add_argument("--threads", type=int, default=None,
                    help=f"torch threads (default on cpu: {RANK_THREADS}, as each rank under mpirun)")
+    p.add_argument("--ranks-per-host", type=int, default=1, metavar="N",
+                   help="time the layers while N - 1 other processes (on cuda: on the next GPUs) run the model's "
+                        "forward and backward, as the other ranks of a host will (default 1: alone)")
     p.add_argument("-o", "--output", required=True, help="profile.json to write")
     return p.parse_args(argv)
 
@@ -254,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ModelError(f"cannot build model {args.model!r} with --model-args {model_args}: {e}") from None
         if args.threads is not None and args.threads < 1:
             raise ProfileError(f"--threads must be >= 1, found {args.threads}")
+        if args.ranks_per_host < 1:
+            raise ProfileError(f"--ranks-per-host must be >= 1, found {args.ranks_per_host}")
         threads = args.threads or (RANK_THREADS if args.device == "cpu" else None)
         warnings: list[str] = []
         if args.device == "cpu" and threads != RANK_THREADS:
@@ -261,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                             "layer times measured here will not match training")
         prof, *others = [profile_model(spec, b, args.device, dtype=args.dtype, warmup=args.warmup,
                                        repeats=args.repeats, seed=args.seed, optimizer=args.optimizer,
-                                       threads=threads, warnings=warnings, timing=args.timing) for b in sizes]
+                                       threads=threads, warnings=warnings, timing=args.timing,
+                                       ranks_per_host=args.ranks_per_host) for b in sizes]
         prof.others = others
         prof.save(args.output)
     except (ModelError, ProfileError, OSError) as e:
@@ -270,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     total_f = sum(layer.forward_ms for layer in prof.layers)
     total_b = sum(layer.backward_ms for layer in prof.layers)
     print(f"profiled {len(prof.layers)} layers of {prof.model} on {prof.device} ({prof.dtype}, microbatch "
-          f"{prof.microbatch_size}, {threads or torch.get_num_threads()} torch thread(s)): forward {total_f:.3f} "
+          f"{prof.microbatch_size}, {threads or torch.get_num_threads()} torch thread(s)"
+          + (f", beside {args.ranks_per_host - 1} busy companion(s)" if args.ranks_per_host > 1 else "")
+          + f"): forward {total_f:.3f} "
           f"ms, backward {total_b:.3f} ms, loss {prof.loss_ms or 0:.3f} ms"
           + (f", GPU to GPU {prof.link_bandwidth / 1e9:.1f} GB/s" if prof.link_bandwidth else "")
           + (f"; with gemm accumulation forward {sum(x.forward_gemm_ms or 0 for x in prof.layers):.3f} ms, backward "

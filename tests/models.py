@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
 import weakref
 
 import torch
@@ -103,3 +104,34 @@ def batchnorm_mlp(layers: int = 4, d_in: int = 6, hidden: int = 8, classes: int 
     data = _data(samples, d_in, classes)
     x, y = data.tensors
     return ModelSpec(layers=mods, loss_fn=F.cross_entropy, dataset=TensorDataset(x[:, :-1], y))
+
+
+_WRITTEN: list[float] = [0.0]  # when this process last wrote to a witness log
+
+
+class Witness(nn.Module):
+    """tanh(fc(x)) that appends "pid time" (CLOCK_MONOTONIC, shared by the machine's processes) to `log` on a
+    forward, at most every 10 ms per process: which processes ran the model, and when."""
+
+    def __init__(self, d: int, log: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.log = log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        now = time.monotonic()
+        if now - _WRITTEN[0] >= 0.01:
+            _WRITTEN[0] = now
+            with open(self.log, "a") as f:
+                f.write(f"{os.getpid()} {now}\n")
+        return torch.tanh(self.fc(x))
+
+
+def witness_mlp(log: str, layers: int = 3, d: int = 16, samples: int = 64, only_pid: int = 0) -> ModelSpec:
+    """`layers` Witness layers writing to `log`; with `only_pid`, building it in another process fails."""
+    if only_pid and os.getpid() != only_pid:
+        raise ValueError(f"built in process {os.getpid()}, only {only_pid} may build it")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(samples, d, generator=g)
+    return ModelSpec(layers=[Witness(d, log) for _ in range(layers)], loss_fn=F.mse_loss,
+                     dataset=TensorDataset(x, torch.tanh(x)))

@@ -34,7 +34,8 @@ FORMATS = {"pipeflow.schedule", "pipeflow.actions", "pipeflow.kinds", "pipeflow.
 PARTITIONER_MAY_IMPORT = {"pipeflow.schedule", "pipeflow.actions", "pipeflow.kinds", "pipeflow.zerobubble",
                          "pipeflow.interleave", "pipeflow.warmup", "pipeflow.hostmem"}
 PROFILER_MAY_IMPORT = PARTITIONER_MAY_IMPORT | {"pipeflow.spec", "pipeflow.data.loader", "pipeflow.split"}
-PROFILER_MODULES = {"partitioner.profiler", "partitioner.layermem", "partitioner.chain"}  # they run the layers
+PROFILER_MODULES = {"partitioner.profiler", "partitioner.layermem", "partitioner.chain", "partitioner.layertime",
+                    "partitioner.companion"}  # they run the layers
 # The communication modules, the only ones that may import mpi4py or torch.distributed: pipeflow.comm (the
 # point-to-point channels and process groups of torch.distributed, and MPI's bootstrap of them) and
 # pipeflow.control (the control channel on MPI's COMM_WORLD: agreement, polled messages, the thread level).

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import torch
 
+from partitioner.measure import tensors
 from partitioner.profile import LayerProfile, Profile, ProfileError
-from partitioner.profiler import profile_model, tensors
+from partitioner.profiler import profile_model
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.spec import ModelSpec, build_model
 

@@ -21,6 +21,8 @@ Rows (';'-separated), every one at --sequences per optimizer step (default 64):
                                     GPUs' copy engines; default auto, the copy engines where GPUs are peers)
     ... accum=gemm|autograd         pf/big rows: PIPEFLOW_GRAD_ACCUM for the row and its profile (weight gradients
                                     added into .grad by autograd, the default, as in plain PyTorch, or by the GEMM)
+    ... busy                        pf/big rows: profiled with pipeflow-profile --ranks-per-host N (the layers timed
+                                    while a companion runs the model on every other GPU, as the other ranks do)
     ... trace                       pf/big rows: pipeflow-train --trace, then per rank the ms per step in each
                                     kind of span (F, B, W, STEP, SEND, WAIT) and idle, from the trace
     ... idle|kernels|stage          pf/big/gb rows: profiled with pipeflow-profile --timing idle (each call from
@@ -236,7 +238,7 @@ class Bench:
         self.add(f"torch {schedule}", f"{mb} x {m}, layers {split}", self.n, rc, out, self.gpt)
 
     def profile(self, cfg: dict[str, object], mb: int, tag: str, sizes: str | None = None,
-                timing: str = "default", accum: str | None = None) -> Path | None:
+                timing: str = "default", accum: str | None = None, busy: bool = False) -> Path | None:
         """profile.json at microbatch mb, or at every size of `sizes` (one file, for --global-batch), timed by
         pipeflow-profile --timing `timing` ("default": the profiler's own choice for the device), accumulating
         gradients as PIPEFLOW_GRAD_ACCUM=`accum` says (None: the default)."""
@@ -246,6 +248,9 @@ class Bench:
             tag += f"-{timing}"
         if accum:
             tag += f"-accum{accum}"
+        if busy:  # timed beside a companion on every other GPU
+            at += ["--ranks-per-host", str(self.n)]
+            tag += "-busy"
         # the model's config in the name: a --work folder shared between calls must not serve another model
         digest = hashlib.sha1(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:8]
         name = f"{tag}-{sizes.replace(',', '_') if sizes else mb}-{digest}"
@@ -302,7 +307,7 @@ class Bench:
     def pf(self, schedule: str, mb: int, m: int, split: str, big: bool = False, sub: bool = False,
            mem_gib: float | None = None, sizes: str | None = None, trace: bool = False, cal: bool = False,
            timing: str = "default", warmup: str | None = None, straight: bool = False,
-           p2p: str | None = None, accum: str | None = None) -> None:
+           p2p: str | None = None, accum: str | None = None, busy: bool = False) -> None:
         """A pipeflow-train row. With `sizes` (a gb row) the profile holds those microbatch sizes and
         pipeflow-plan --global-batch picks b, m and the split; mb and m are then what it picked."""
         cfg = self.big if big else self.gpt
@@ -313,13 +318,14 @@ class Bench:
         tag = (f"{'big-' if big else ''}{'sub-' if sub else ''}{schedule}-{shape}-{split.replace(',', '_')}"
                + (f"-mem{mem_gib:g}" if mem_gib is not None else "") + (f"-{timing}" if timing != "default" else "")
                + (f"-warmup{warmup.replace(',', '_')}" if warmup else "") + ("-straight" if straight else "")
-               + (f"-{p2p}" if p2p else "") + (f"-accum{accum}" if accum else "") + ("-trace" if trace else ""))
+               + (f"-{p2p}" if p2p else "") + (f"-accum{accum}" if accum else "") + ("-busy" if busy else "")
+               + ("-trace" if trace else ""))
         name = f"pipeflow {schedule}" + (" (large model)" if big else "") + (", sublayers" if sub else "")
         flags = ["--schedule", schedule] + (["--warmup", warmup] if warmup else [])
         predicted, calibrated, shown, path, prof = None, None, split, None, None
         if split != "spot":
             kind = ("big" if big else "gpt") + ("-sub" if sub else "")
-            prof = self.profile(cfg, mb, kind, sizes=sizes, timing=timing, accum=accum)
+            prof = self.profile(cfg, mb, kind, sizes=sizes, timing=timing, accum=accum, busy=busy)
             path, shown = (self.plan(prof, schedule, m, split, tag, mem_gib=mem_gib, global_batch=sizes is not None,
                                      warmup=warmup, straight=straight)
                            if prof else (None, "no profile"))
@@ -373,6 +379,8 @@ class Bench:
             how += f", PIPEFLOW_P2P={p2p}"
         if accum:
             how += f", PIPEFLOW_GRAD_ACCUM={accum}"
+        if busy:
+            how += ", profiled beside busy GPUs"
         if trace:
             how += ", --trace" + (" (calibrates the later rows)" if cal else "")
         self.add(name, how + (f" {shown}" if shown != split else "") + note, self.n, rc, out, cfg,
@@ -442,19 +450,19 @@ class Bench:
                     warm = [x[7:] for x in extra if x.startswith("warmup=")]
                     p2p = [x[4:] for x in extra if x.startswith("p2p=")]
                     accum = [x[6:] for x in extra if x.startswith("accum=")]
-                    bad = [x for x in extra if x not in ("sub", "trace", "cal", "straight", *TIMED)
+                    bad = [x for x in extra if x not in ("sub", "trace", "cal", "straight", "busy", *TIMED)
                            and not x.startswith(("mem=", "warmup=")) and x not in P2P_WORDS + ACCUM_WORDS]
                     if (bad or ((mem or "straight" in extra) and w[4] != "plan")
-                            or (w[4] == "spot" and {"cal", *TIMED} & set(extra))
+                            or (w[4] == "spot" and {"cal", "busy", *TIMED} & set(extra))
                             or len(set(TIMED) & set(extra)) > 1 or len(warm) > 1 or len(p2p) > 1 or len(accum) > 1):
-                        raise ValueError(f"after the split a {w[0]} row takes 'sub', 'trace', 'cal', one of "
+                        raise ValueError(f"after the split a {w[0]} row takes 'sub', 'trace', 'cal', 'busy', one of "
                                          f"{', '.join(TIMED)} (not with 'spot'), 'warmup=W', one of "
                                          f"{', '.join(P2P_WORDS)}, one of {', '.join(ACCUM_WORDS)} and, with "
                                          f"'plan', 'mem=GIB' and 'straight'; found {' '.join(extra)!r}")
                     self.pf(w[1], int(w[2]), int(w[3]), w[4], big=w[0] == "big", sub="sub" in extra,
                             mem_gib=mem[0] if mem else None, trace="trace" in extra, cal="cal" in extra,
                             timing=_timing(extra), warmup=warm[0] if warm else None, straight="straight" in extra,
-                            p2p=p2p[0] if p2p else None, accum=accum[0] if accum else None)
+                            p2p=p2p[0] if p2p else None, accum=accum[0] if accum else None, busy="busy" in extra)
                 elif w[0] == "gb":
                     extra = w[3:]
                     mem = [float(x[4:]) for x in extra if x.startswith("mem=")]

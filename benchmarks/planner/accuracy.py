@@ -72,21 +72,13 @@ def run(cmd: list[str], cwd: Path) -> str:
     return r.stdout + r.stderr
 
 
-def profile(model: str, args: dict[str, object], b: int, copies: int, tmp: Path) -> None:
-    """profile.json from pipeflow-profile; with copies > 1 that many run at once (the others' files are
-    dropped), so that the layers are timed while as many processes compute as the plan's ranks: two ranks
-    on two cores share the L3 and the memory bandwidth (README, "What remains")."""
-    wait_idle()
-    cmd = [sys.executable, "-m", "partitioner.profiler", "--model", model, "--model-args", json.dumps(args),
-           "--microbatch-size", str(b), "--device", "cpu", "--threads", "1", "--repeats", "10", "--timing", TIMING,
-           "-o"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([*cmd, "profile.json" if k == 0 else f"profile-copy{k}.json"], cwd=tmp, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for k in range(copies)]
-    for proc in procs:
-        _, err = proc.communicate(timeout=900)
-        if proc.returncode:
-            raise SystemExit(f"pipeflow-profile failed ({proc.returncode}):\n{err[-2000:]}")
+def profile(model: str, args: dict[str, object], b: int, ranks: int, tmp: Path) -> None:
+    """profile.json from pipeflow-profile; with ranks > 1 (`--concurrent-profile`) timed beside ranks - 1 busy
+    companions (`--ranks-per-host`), as the plan's ranks compute at once: two ranks on two cores share the L3
+    and the memory bandwidth (README, "What remains")."""
+    run([sys.executable, "-m", "partitioner.profiler", "--model", model, "--model-args", json.dumps(args),
+         "--microbatch-size", str(b), "--device", "cpu", "--threads", "1", "--repeats", "10", "--timing", TIMING,
+         "--ranks-per-host", str(ranks), "-o", "profile.json"], tmp)
 
 
 def profile_and_plan(model: str, args: dict[str, object], workers: int, b: int, m: int, schedule: str, tmp: Path,
@@ -171,7 +163,8 @@ def global_batch(runtime: dict[str, float], g: int, sizes: list[int], runs: int)
         wait_idle()
         run([py, "-m", "partitioner.profiler", "--model", model, "--model-args", json.dumps(args),
              "--microbatch-sizes", ",".join(map(str, sizes)), "--device", "cpu", "--threads", "1", "--repeats",
-             "10", "--timing", TIMING, "-o", "profile.json"], tmp)
+             "10", "--timing", TIMING, "--ranks-per-host", str(workers if CONCURRENT else 1), "-o", "profile.json"],
+            tmp)
         whole = {**json.loads((tmp / "profile.json").read_text()), **runtime}
         (tmp / "all.json").write_text(json.dumps(whole))
         run([py, "-m", "partitioner.cli", "all.json", "--workers", str(workers), "--schedule", schedule,
@@ -205,7 +198,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--runs", type=int, default=3, help="training runs per case; the fastest counts (default 3)")
     p.add_argument("--concurrent-profile", action="store_true",
-                   help="profile in as many processes at once as the case has ranks (the conditions of training)")
+                   help="profile beside as many busy processes as the case has other ranks (pipeflow-profile "
+                        "--ranks-per-host: the conditions of training)")
     p.add_argument("--global-batch", type=int, default=None, metavar="G",
                    help="instead of the cases: the gpt case at G samples per step, every microbatch size of "
                         "--sizes measured, and the one pipeflow-plan --global-batch picks")

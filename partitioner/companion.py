@@ -1,0 +1,160 @@
+"""pipeflow-profile --ranks-per-host N: while the layers are timed, N - 1 companion processes run the model's
+forward and backward again and again, as the other ranks of a host do in training.
+
+Issue 13: two ranks computing at once slow each other (on CPU they share the caches and the memory bandwidth;
+on a GPU host, the host's cores and memory): a layer timed in a lone process is faster than the same layer in
+a rank beside busy ones (benchmarks/planner/README.md measured 1.07x on the CPU gpt row). Each companion is a
+child process (`python -m partitioner.companion CONFIG`) that rebuilds the model by name, says "ready" once its
+first pass is done, and stops when its standard input closes: when the profiler is done, or dies."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO, Any
+
+READY = "ready"
+READY_TIMEOUT_S = 600.0  # the first pass of a large model on a CPU
+STOP_TIMEOUT_S = 30.0
+
+
+class CompanionError(RuntimeError):
+    """A companion could not start its work (one line: which, and why)."""
+
+
+def companion_devices(device: str, index: int | None, count: int, gpus: int) -> list[str]:
+    """The device of each of `count` companions: on CPU the CPU (the cores are shared, as the ranks share them),
+    on CUDA the GPUs after the profiled one, one each, as a host's ranks have (`gpus` visible)."""
+    if device != "cuda":
+        return ["cpu"] * count
+    if count + 1 > gpus:
+        raise CompanionError(f"--ranks-per-host {count + 1} on cuda needs {count + 1} GPUs, one per rank, but "
+                             f"{gpus} {'is' if gpus == 1 else 'are'} visible")
+    first = index or 0
+    return [f"cuda:{(first + k) % gpus}" for k in range(1, count + 1)]
+
+
+def _lines(stream: IO[str], out: queue.Queue[str | None]) -> None:
+    for line in stream:
+        out.put(line.strip())
+    out.put(None)
+
+
+@contextmanager
+def companions(config: dict[str, Any], devices: list[str]) -> Iterator[None]:
+    """Run one companion per entry of `devices` (each with `config` and its device) for the duration of the
+    block; every one has finished its first pass when the block starts. A companion that fails first raises
+    CompanionError with the last line it wrote to stderr."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for dev in devices:
+            procs.append(subprocess.Popen([sys.executable, "-m", "partitioner.companion",
+                                           json.dumps({**config, "device": dev})],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+        for proc, dev in zip(procs, devices):
+            lines: queue.Queue[str | None] = queue.Queue()
+            assert proc.stdout is not None
+            threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
+            try:
+                line = lines.get(timeout=READY_TIMEOUT_S)
+            except queue.Empty:
+                raise CompanionError(f"the companion on {dev} did not finish a pass in {READY_TIMEOUT_S:.0f} s"
+                                     ) from None
+            if line != READY:
+                proc.wait(timeout=STOP_TIMEOUT_S)
+                assert proc.stderr is not None
+                last = ([x for x in proc.stderr.read().splitlines() if x.strip()] or ["no message"])[-1]
+                raise CompanionError(f"the companion on {dev} failed (exit {proc.returncode}): {last.strip()}")
+        yield
+    finally:
+        for proc in procs:
+            if proc.stdin is not None:
+                proc.stdin.close()  # its cue to stop
+        for proc in procs:
+            try:
+                proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            for stream in (proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+
+
+def _work(config: dict[str, Any], stop: threading.Event) -> None:
+    """Forward, loss and backward of the model (or of as many of its first layers as fit), pass after pass,
+    gradients accumulating over two passes as over a step's microbatches, until `stop`."""
+    import torch
+
+    from partitioner.layermem import sandbox_copy
+    from partitioner.measure import as_a_rank, cast_floats_to, map_tensors, prepare_input, tensors
+    from pipeflow.data.loader import MicrobatchLoader
+    from pipeflow.spec import build_model, model_dtype
+    from pipeflow.split import gemm_accumulation
+
+    dev = torch.device(config["device"])
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dtype = getattr(torch, config["dtype"]) if config.get("dtype") else None
+    spec = build_model(config["model"], config.get("model_args") or {}, seed=config.get("seed", 0))
+    fuse = gemm_accumulation()
+    with as_a_rank(dev, config.get("threads")):
+        x, y = MicrobatchLoader(spec.dataset, config["microbatch_size"], seed=config.get("seed", 0)).microbatch(0)
+        x = cast_floats_to(x, dtype or model_dtype(torch.nn.ModuleList(spec.layers)))
+        y = map_tensors(y, lambda t: t.to(dev))
+        count = len(spec.layers)
+        while True:
+            try:
+                layers = [sandbox_copy(layer, dev, dtype, fuse=fuse) for layer in spec.layers[:count]]
+                passes = 0
+                while not stop.is_set() or passes == 0:
+                    if passes % 2 == 0:
+                        for layer in layers:
+                            layer.zero_grad(set_to_none=True)
+                    h = prepare_input(x, dev, None)
+                    for layer in layers:
+                        h = layer(h)
+                    if count == len(spec.layers):
+                        spec.loss_fn(h, y).backward()
+                    else:
+                        ys = [t for t in tensors(h) if t.requires_grad]
+                        torch.autograd.backward(ys, [torch.ones_like(t) for t in ys])
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()  # a bounded queue: it stops soon after its cue
+                    if passes == 0:
+                        print(READY, flush=True)
+                    passes += 1
+                return
+            except torch.OutOfMemoryError:
+                if count == 1:
+                    raise
+                layers = []
+                torch.cuda.empty_cache()
+                count //= 2  # a model too large for one device: its first layers are work enough
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    stop = threading.Event()
+
+    def watch() -> None:
+        sys.stdin.read()  # returns when the profiler closes the pipe, or exits
+        stop.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        _work(config, stop)
+    except Exception as e:  # reported to the profiler as one line on stderr
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

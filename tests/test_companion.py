@@ -1,0 +1,87 @@
+"""pipeflow-profile --ranks-per-host N: the layers timed while N - 1 companions run the model, as a host's other
+ranks do in training (issue 13), and the companions gone when the profile is done."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import pytest
+
+from partitioner.companion import CompanionError, companion_devices
+from partitioner.profile import Profile, ProfileError
+from partitioner.profiler import main, profile_model
+from pipeflow.spec import build_model
+
+WITNESS = "tests.models:witness_mlp"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_companion_runs_the_model_while_the_layers_are_timed_and_stops_after(tmp_path):
+    log = tmp_path / "witness.log"
+    spec = build_model(WITNESS, {"log": str(log)})
+    prof = profile_model(spec, 4, "cpu", warmup=1, repeats=3, optimizer=None, threads=1, ranks_per_host=2)
+    lines = [(int(p), float(t)) for p, t in (x.split() for x in log.read_text().splitlines())]
+    mine = [t for p, t in lines if p == os.getpid()]
+    others = {p for p, _ in lines if p != os.getpid()}
+    assert mine and len(others) == 1, lines[:5]
+    (pid,) = others
+    # still running forwards after half of this process's timed forwards, and stopped once the profile returned
+    assert max(t for p, t in lines if p == pid) >= statistics.median(mine)
+    assert _gone(pid)
+    assert prof.ranks_per_host == 2
+    assert Profile.from_json(json.loads(json.dumps(prof.to_json()))).ranks_per_host == 2
+
+
+def test_alone_by_default_writes_no_ranks_per_host(tmp_path):
+    log = tmp_path / "witness.log"
+    prof = profile_model(build_model(WITNESS, {"log": str(log)}), 4, "cpu", warmup=0, repeats=1, optimizer=None)
+    assert {int(x.split()[0]) for x in log.read_text().splitlines()} == {os.getpid()}
+    assert prof.ranks_per_host is None and "ranks_per_host" not in prof.to_json()
+
+
+def test_a_companion_that_fails_stops_the_profiler_with_its_error(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    args = {"log": str(tmp_path / "w.log"), "only_pid": os.getpid()}  # the companion cannot build it
+    rc = main(["--model", WITNESS, "--model-args", json.dumps(args), "--microbatch-size", "4", "--ranks-per-host", "2",
+               "--repeats", "1", "-o", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and not out.exists()
+    assert len(err) == 1 and err[0].startswith(
+        "pipeflow-profile: error: --ranks-per-host 2: the companion on cpu failed (exit 1): ModelError: "), err
+    assert err[0].endswith(f"ValueError: built in process {err[0].split('built in process ')[1].split(',')[0]}, "
+                           f"only {os.getpid()} may build it")
+
+
+def test_bad_ranks_per_host(tmp_path, capsys):
+    rc = main(["--model", "mlp", "--microbatch-size", "4", "--ranks-per-host", "0", "-o", str(tmp_path / "p.json")])
+    assert rc == 2
+    assert capsys.readouterr().err.strip() == "pipeflow-profile: error: --ranks-per-host must be >= 1, found 0"
+
+
+def test_companion_devices():
+    assert companion_devices("cpu", None, 3, 0) == ["cpu"] * 3
+    assert companion_devices("cuda", None, 1, 2) == ["cuda:1"]
+    assert companion_devices("cuda", 1, 2, 4) == ["cuda:2", "cuda:3"]
+    assert companion_devices("cuda", 3, 1, 4) == ["cuda:0"]
+    with pytest.raises(CompanionError, match=r"^--ranks-per-host 2 on cuda needs 2 GPUs, one per rank, but 1 is "
+                                             r"visible$"):
+        companion_devices("cuda", 0, 1, 1)
+
+
+def test_ranks_per_host_is_validated_in_the_file():
+    prof = build_profile()
+    with pytest.raises(ProfileError, match=r"^p\.json: ranks_per_host must be a positive integer, found 0$"):
+        Profile.from_json({**prof.to_json(), "ranks_per_host": 0}, source="p.json")
+
+
+def build_profile() -> Profile:
+    return profile_model(build_model("mlp", {"layers": 2, "hidden": 8}), 2, "cpu", warmup=0, repeats=1,
+                         optimizer=None)
