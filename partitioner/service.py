@@ -277,7 +277,11 @@ def plan_from_profile(profile: Profile, workers: int, *, schedule: str, microbat
 
 def evaluate_plan(profile: Profile, plan: Plan, *, topology: Topology | str | None = None,
                   optimizer: str = "adam", keep_timeline: bool = False) -> Planned:
-    """Price a given plan (hand-written or from another tool) exactly as the planner prices its own."""
+    """Price a given plan (hand-written or from another tool) exactly as the planner prices its own: at the
+    microbatch size it was made for (planner.microbatch_size) where the profile holds it, else the profile's."""
+    made = plan.extra.get("planner")
+    profile = next((p for p in profile.at_sizes() if isinstance(made, dict)
+                    and p.microbatch_size == made.get("microbatch_size")), profile)
     topo = resolve_topology(plan.workers, topology, profile)
     check_microbatches(plan.microbatches)
     plan.validate(num_layers=len(profile.layers))

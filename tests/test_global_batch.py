@@ -214,3 +214,21 @@ def test_on_the_spot_a_gpus_peak_memory_is_training_s_not_the_profile_s(monkeypa
     with caplog.at_level("INFO", logger="pipeflow"):
         forget_profiling("cuda", 20 * 2**30)
     assert "profiling on the spot peaked at 20.00 GiB of this GPU" in caplog.text
+
+
+def test_evaluate_prices_a_plan_at_the_size_it_was_made_for(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    """A --global-batch plan at b = 4, priced again on its multi-size profile (top level b = 1), is priced at
+    b = 4 (it was priced at the top level's b = 1: a wrong step time with no warning)."""
+    prof = multi(random.Random(3), 4, [1, 4, 8])
+    path = tmp_path / "profile.json"
+    prof.save(path)
+    code, _, _, planned = run(tmp_path, path, ["--workers", "2", "--global-batch", "16", "--schedule", "1f1b"],
+                              capsys)
+    assert code == 0 and planned is not None
+    b = planned.extra["planner"]["microbatch_size"]
+    assert b != 1
+    code, _, _, priced = run(tmp_path, path, ["--evaluate", str(tmp_path / "plan.json")], capsys, "priced")
+    assert code == 0 and priced is not None
+    assert priced.extra["planner"]["microbatch_size"] == b
+    assert priced.predicted["step_ms"] == pytest.approx(planned.predicted["step_ms"], rel=1e-9)
