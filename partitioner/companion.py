@@ -13,7 +13,9 @@ import os
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any
@@ -46,32 +48,44 @@ def _lines(stream: IO[str], out: queue.Queue[str | None]) -> None:
 
 
 @contextmanager
-def companions(config: dict[str, Any], devices: list[str]) -> Iterator[None]:
+def companions(config: dict[str, Any], devices: list[str], warnings: list[str] | None = None) -> Iterator[None]:
     """Run one companion per entry of `devices` (each with `config` and its device) for the duration of the
     block; every one has finished its first pass when the block starts. A companion that fails first raises
-    CompanionError with the last line it wrote to stderr."""
+    CompanionError with the last line it wrote to stderr; one that stops before the block ends appends a line
+    to `warnings` (what was timed after it, was timed without it)."""
     procs: list[subprocess.Popen[str]] = []
+    errs = [tempfile.TemporaryFile("w+") for _ in devices]  # a file, not a pipe: a chatty companion never blocks
+
+    def last_error(k: int) -> str:
+        errs[k].seek(0)
+        return ([x for x in errs[k].read().splitlines() if x.strip()] or ["no message"])[-1].strip()
+
     try:
-        for dev in devices:
+        for dev, err in zip(devices, errs):
             procs.append(subprocess.Popen([sys.executable, "-m", "partitioner.companion",
                                            json.dumps({**config, "device": dev})],
-                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                           text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
-        for proc, dev in zip(procs, devices):
+        for k, (proc, dev) in enumerate(zip(procs, devices)):
             lines: queue.Queue[str | None] = queue.Queue()
             assert proc.stdout is not None
             threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
-            try:
-                line = lines.get(timeout=READY_TIMEOUT_S)
-            except queue.Empty:
-                raise CompanionError(f"the companion on {dev} did not finish a pass in {READY_TIMEOUT_S:.0f} s"
-                                     ) from None
-            if line != READY:
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            line: str | None = ""
+            while line not in (READY, None):  # the model's own prints come first, if any
+                try:
+                    line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise CompanionError(f"the companion on {dev} did not finish a pass in {READY_TIMEOUT_S:.0f} s"
+                                         ) from None
+            if line is None:
                 proc.wait(timeout=STOP_TIMEOUT_S)
-                assert proc.stderr is not None
-                last = ([x for x in proc.stderr.read().splitlines() if x.strip()] or ["no message"])[-1]
-                raise CompanionError(f"the companion on {dev} failed (exit {proc.returncode}): {last.strip()}")
+                raise CompanionError(f"the companion on {dev} failed (exit {proc.returncode}): {last_error(k)}")
         yield
+        for k, (proc, dev) in enumerate(zip(procs, devices)):
+            if proc.poll() is not None and warnings is not None:
+                warnings.append(f"the companion on {dev} stopped before the profile ended (exit {proc.returncode}: "
+                                f"{last_error(k)}): the layers timed after it were timed without it")
     finally:
         for proc in procs:
             if proc.stdin is not None:
@@ -82,9 +96,10 @@ def companions(config: dict[str, Any], devices: list[str]) -> Iterator[None]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-            for stream in (proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        for err in errs:
+            err.close()
 
 
 def _work(config: dict[str, Any], stop: threading.Event) -> None:

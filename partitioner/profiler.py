@@ -105,7 +105,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
         try:  # the companions stop when the block ends
             busy.enter_context(companions({"model": spec.name, "model_args": dict(spec.args), "dtype": dtype,
                                            "microbatch_size": microbatch_size, "seed": seed, "threads": threads},
-                                          beside))
+                                          beside, warnings))
         except CompanionError as e:
             raise ProfileError(f"--ranks-per-host {ranks_per_host}: {e}") from None
         x, y = MicrobatchLoader(spec.dataset, microbatch_size, seed=seed).microbatch(0)

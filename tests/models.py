@@ -106,32 +106,41 @@ def batchnorm_mlp(layers: int = 4, d_in: int = 6, hidden: int = 8, classes: int 
     return ModelSpec(layers=mods, loss_fn=F.cross_entropy, dataset=TensorDataset(x[:, :-1], y))
 
 
-_WRITTEN: list[float] = [0.0]  # when this process last wrote to a witness log
+_WRITTEN: list[float] = [0.0, 0]  # when this process last wrote to a witness log, and how many times
 
 
 class Witness(nn.Module):
     """tanh(fc(x)) that appends "pid time" (CLOCK_MONOTONIC, shared by the machine's processes) to `log` on a
     forward, at most every 10 ms per process: which processes ran the model, and when."""
 
-    def __init__(self, d: int, log: str) -> None:
+    def __init__(self, d: int, log: str, die_unless_pid: int = 0) -> None:
         super().__init__()
         self.fc = nn.Linear(d, d)
-        self.log = log
+        self.log, self.die_unless_pid = log, die_unless_pid
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.die_unless_pid == os.getpid():
+            time.sleep(0.005)  # the profiler's process: slow, so that the companion dies while it profiles
+        elif self.die_unless_pid and _WRITTEN[1] >= 3:  # 20 ms after its first pass: ready
+            sys.stderr.write("this process gives up\n")
+            sys.stderr.flush()
+            os._exit(3)
         now = time.monotonic()
         if now - _WRITTEN[0] >= 0.01:
-            _WRITTEN[0] = now
+            _WRITTEN[0], _WRITTEN[1] = now, _WRITTEN[1] + 1
             with open(self.log, "a") as f:
                 f.write(f"{os.getpid()} {now}\n")
         return torch.tanh(self.fc(x))
 
 
-def witness_mlp(log: str, layers: int = 3, d: int = 16, samples: int = 64, only_pid: int = 0) -> ModelSpec:
-    """`layers` Witness layers writing to `log`; with `only_pid`, building it in another process fails."""
+def witness_mlp(log: str, layers: int = 3, d: int = 16, samples: int = 64, only_pid: int = 0,
+                die_unless_pid: int = 0) -> ModelSpec:
+    """`layers` Witness layers writing to `log`; with `only_pid`, building it in another process fails; with
+    `die_unless_pid`, another process running it exits (code 3) once it has written to the log three times,
+    and that process sleeps 5 ms in each forward."""
     if only_pid and os.getpid() != only_pid:
         raise ValueError(f"built in process {os.getpid()}, only {only_pid} may build it")
     g = torch.Generator().manual_seed(5)
     x = torch.randn(samples, d, generator=g)
-    return ModelSpec(layers=[Witness(d, log) for _ in range(layers)], loss_fn=F.mse_loss,
+    return ModelSpec(layers=[Witness(d, log, die_unless_pid) for _ in range(layers)], loss_fn=F.mse_loss,
                      dataset=TensorDataset(x, torch.tanh(x)))

@@ -60,6 +60,16 @@ def test_a_companion_that_fails_stops_the_profiler_with_its_error(tmp_path, caps
                            f"only {os.getpid()} may build it")
 
 
+def test_a_companion_that_stops_early_is_a_warning(tmp_path):
+    warnings: list[str] = []
+    spec = build_model(WITNESS, {"log": str(tmp_path / "w.log"), "die_unless_pid": os.getpid()})
+    prof = profile_model(spec, 4, "cpu", warmup=1, repeats=3, optimizer=None, threads=1, ranks_per_host=2,
+                         warnings=warnings)
+    assert prof.ranks_per_host == 2
+    assert ("the companion on cpu stopped before the profile ended (exit 3: this process gives up): the layers "
+            "timed after it were timed without it") in warnings  # (with the repeats' spread, the noise warning)
+
+
 def test_bad_ranks_per_host(tmp_path, capsys):
     rc = main(["--model", "mlp", "--microbatch-size", "4", "--ranks-per-host", "0", "-o", str(tmp_path / "p.json")])
     assert rc == 2
