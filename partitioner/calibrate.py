@@ -36,12 +36,12 @@ size alone cannot) and `layer_ms` where some ranks held 1.5 x the layers of othe
 parallelism: a cost per layer call, Python dispatch, told from a cost per action). From an async trace (an
 update after every backward, no agreement in its STEP):
 
-    update_ms = median of (STEP spans + the host's gaps right after them) / updates - profiled optimizer step
+    update_ms = median of (STEP spans + the host's gaps right after them) / updates - profiled update
 
 and without one, from the STEP spans of the other traces (one update a step; ranks without replicas, whose
-STEP holds no all-reduce): per step the least any rank's STEP took beyond its profiled optimizer step (the
-rank that reached its STEP last waited there for no other: the non-finite check and the ranks' agreement
-themselves), the median over steps.
+STEP holds no all-reduce): per step the least any rank's STEP took beyond its profiled update (the optimizer step,
+the non-finite check and the weight copies it makes keep: the rank that reached its STEP last waited there for
+no other), the median over steps.
 
 The first `--skip` steps (warm-up) are left out. The numbers go into profile.json as optional fields
 (docs/formats.md, docs/calibration.md: where the planner and the simulator add each). They are properties
@@ -114,10 +114,11 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
         L = len(lay)
         by_rank, sent = _spans(tr), len(sends)
         for rank, steps in by_rank.items():
-            st = pl.stages[pl.stage_of_rank(rank)[0]]
+            st = pl.stages[s := pl.stage_of_rank(rank)[0]]
             a, b = st.layers
             profiled = float(lay.forward_ms[a:b].sum() + lay.backward_ms[a:b].sum()) + (lay.loss_ms if b == L else 0.0)
             p = float(lay.parameter_bytes[a:b].sum())
+            upd = p * (lay.optimizer_ms_per_byte + lay.copy_ms_per_byte * kind.copies_per_update(pl.replicas, s))
             own_per_mb: list[float] = []
             for step, spans in steps.items():
                 if step < skip:
@@ -142,13 +143,13 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
                     # async: an update after every backward, no agreement in it; what it and the host's time
                     # right after it take beyond the profiled optimizer step
                     spent = step_ms + sum(gap for kind, gap in after if kind == "STEP")
-                    per_update.append(spent / updates - lay.optimizer_ms_per_byte * p)
+                    per_update.append(spent / updates - upd)
                 elif st.replicas == 1 and updates:
-                    step_excess[(run, step)].append(step_ms / updates - lay.optimizer_ms_per_byte * p)
+                    step_excess[(run, step)].append(step_ms / updates - upd)
                 if st.replicas > 1 and p > 0 and last_b:
                     # The all-reduce starts with the last backward (reduce.py buckets it there) and ends inside
                     # STEP, before the optimizer step: the simulator's model, read backwards.
-                    ms = last_b[0] + step_ms - lay.optimizer_ms_per_byte * p
+                    ms = last_b[0] + step_ms - upd
                     if ms > 0:
                         reduce.append(2 * (st.replicas - 1) / st.replicas * p / (ms / 1e3))
             if own_per_mb:

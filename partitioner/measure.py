@@ -14,6 +14,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from pipeflow.hostmem import keep_freed_host_memory
+from pipeflow.nonfinite import nonfinite_flag
 
 # A rank under mpirun runs one torch thread per process on CPU (issue 13: the profile taken with 2 threads
 # predicted 2x the speed training got); pipeflow-profile times the layers the same way unless told otherwise.
@@ -174,10 +175,12 @@ def make_optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimiz
 
 
 def optimizer_ms_per_byte(name: str, parameters: Iterable[torch.Tensor], timer: Timer, *, warmup: int,
-                          repeats: int) -> float | None:
-    """Median ms of one optimizer step per parameter byte, on copies of (a prefix of) the parameters with
-    random gradients; None when there are no parameters. The first step, which allocates the state, is
-    never timed."""
+                          repeats: int) -> tuple[float, float] | None:
+    """Median ms per parameter byte of (1) one update as a rank runs it, the non-finite check of the gradients
+    (pipeflow/nonfinite.py) and the optimizer step, and (2) one copy of the weights, as the asynchronous
+    schedules keep a version (pipeflow/stash.py: one multi-tensor copy); on copies of (a prefix of) the
+    parameters with random gradients; None when there are no parameters. The first step, which allocates the
+    state, is never timed."""
     params: list[torch.Tensor] = []
     nbytes = 0
     for p in parameters:
@@ -191,8 +194,17 @@ def optimizer_ms_per_byte(name: str, parameters: Iterable[torch.Tensor], timer: 
         return None
     opt = make_optimizer(name, params)
     opt.step()
-    times = [timer(opt.step) for _ in range(warmup + repeats)][warmup:]
-    return statistics.median(times) / nbytes
+    device, ones = params[0].device, {}  # type: ignore[var-annotated]
+    grads = [q.grad for q in params if q.grad is not None]
+
+    def update() -> None:
+        nonfinite_flag(grads, device, ones)
+        opt.step()
+
+    stashed = [torch.empty_like(q) for q in params]
+    copies = [timer(lambda: torch._foreach_copy_(stashed, params)) for _ in range(warmup + repeats)][warmup:]
+    times = [timer(update) for _ in range(warmup + repeats)][warmup:]
+    return statistics.median(times) / nbytes, statistics.median(copies) / nbytes
 
 
 def spread(per_repeat_ms: Sequence[float]) -> float:

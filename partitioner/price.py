@@ -79,8 +79,11 @@ def price(lay: LayerCosts, topology: Topology, schedule: str, microbatches: int,
     costs = stage_costs(lay, topology, ranges, ranks)
     # Stage k on the ranks of stage k mod S (chunks placed round-robin, partitioner/plan.py): v = stages / S.
     groups = next((k for k in range(1, len(ranks)) if list(ranks[k]) == list(ranks[0])), len(ranks))
-    for cost in costs[:groups]:  # the runtime's own time per update: one update of a rank's chunks together
-        cost.optimizer_ms += lay.update_ms
+    kind = schedule_kind(schedule)
+    for s, cost in enumerate(costs[:groups]):  # the runtime's own time per update: one of a rank's chunks together
+        # and the weight copies an update makes the asynchronous schedules keep (ScheduleKind.copies_per_update)
+        cost.optimizer_ms += lay.update_ms + lay.copy_ms_per_byte * cost.parameter_bytes * kind.copies_per_update(
+            [len(r) for r in ranks[:groups]], s)
     sim = simulate(schedule, costs, [len(r) for r in ranks], microbatches, optimizer=optimizer,
                    keep_timeline=keep_timeline, ranks=ranks, topology=topology,
                    virtual_stages=len(ranks) // groups, warmup=warmup)

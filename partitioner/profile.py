@@ -4,10 +4,12 @@ Optional fields (issue 13; a file without them is read as before, and readers th
 read files with them): per layer `backward_accumulate_ms`, the backward when gradients already exist
 (every microbatch of a step but the first), and `backward_weight_ms`, the weight-gradient (W) share of the
 backward that zero-bubble schedules defer (pipeflow/split.py); at the top, `loss_ms` (the loss's forward and
-backward per microbatch) and `optimizer_ms_per_byte` ({"adam": ..., "sgd": ...}: one optimizer step per
-parameter byte), and `loss_bytes`, the memory the loss takes beyond its input from its forward to the end of
-its backward (on the last stage's peak); `ranks_per_host`, how many processes computed at once while the layers
-were timed (pipeflow-profile --ranks-per-host; absent: one). The planner uses them when present and counts them as 0 (or
+backward per microbatch) and `optimizer_ms_per_byte` ({"adam": ..., "sgd": ...}: one update per parameter byte as
+a rank runs it, the gradients' non-finite check and the step), and `loss_bytes`, the memory the loss takes beyond
+its input from its forward to the end of its backward (on the last stage's peak); `ranks_per_host`, how many
+processes computed at once while the layers were timed (pipeflow-profile --ranks-per-host; absent: one);
+`copy_ms_per_byte`, one copy of the weights per byte, which async and 2bw make to keep a weight version (priced
+per update, ScheduleKind.copies_per_update). The planner uses them when present and counts them as 0 (or
 backward_ms) when absent;
 an absent `backward_weight_ms` is estimated (Profile.weight_column). Per layer `forward_gemm_ms`,
 `backward_gemm_ms` and `backward_accumulate_gemm_ms` are the same times with gradient accumulation inside the
@@ -120,6 +122,7 @@ class Profile:
     timing: str | None = None  # how the layers were timed (pipeflow-profile --timing; CPU: only "stage" is written)
     loss_bytes: float | None = None  # the loss's memory beyond its input, forward to backward (layermem.loss_bytes)
     ranks_per_host: int | None = None  # timed beside this many - 1 busy companions (pipeflow-profile --ranks-per-host)
+    copy_ms_per_byte: float | None = None  # one copy of the weights per byte (a stashed version; measure.py)
     # not in the file: the device's peak while profiling (layermem.loss_bytes resets CUDA's peak statistic)
     device_peak_bytes: int | None = field(default=None, compare=False, repr=False)
 
@@ -164,6 +167,9 @@ class Profile:
         if f is not None and (not _is_number(f) or not 0 < f <= MAX_COMPUTE_FACTOR):
             raise ProfileError(f"{source}: compute_factor must be a number in (0, {MAX_COMPUTE_FACTOR:g}], "
                                f"found {_show(f)}")
+        c = self.copy_ms_per_byte
+        if c is not None and (not _is_number(c) or not 0 <= c <= MAX_MS):
+            raise ProfileError(f"{source}: copy_ms_per_byte must be a number in [0, {MAX_MS:g}], found {_show(c)}")
         r = self.ranks_per_host
         if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 1):
             raise ProfileError(f"{source}: ranks_per_host must be a positive integer, found {_show(r)}")
@@ -219,6 +225,8 @@ class Profile:
             d["timing"] = self.timing
         if self.ranks_per_host is not None:
             d["ranks_per_host"] = self.ranks_per_host
+        if self.copy_ms_per_byte is not None:
+            d["copy_ms_per_byte"] = self.copy_ms_per_byte
         d.update({k: getattr(self, k) for k in (*RUNTIME_NUMBERS, "compute_factor") if getattr(self, k) is not None})
         return d
 
@@ -254,7 +262,8 @@ class Profile:
                        message_ms=d.get("message_ms"), latency_ms=d.get("latency_ms"),
                        step_gap_ms=d.get("step_gap_ms"), layer_ms=d.get("layer_ms"), update_ms=d.get("update_ms"),
                        compute_factor=d.get("compute_factor"), timing=d.get("timing"),
-                       loss_bytes=d.get("loss_bytes"), ranks_per_host=d.get("ranks_per_host"))
+                       loss_bytes=d.get("loss_bytes"), ranks_per_host=d.get("ranks_per_host"),
+                       copy_ms_per_byte=d.get("copy_ms_per_byte"))
         except ProfileError as e:
             # __post_init__ validated with the default source name; say which file.
             raise ProfileError(str(e).replace("profile: ", f"{source}: ", 1)) from None

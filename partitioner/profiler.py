@@ -136,9 +136,10 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
             loss_mem = loss_bytes(spec.loss_fn, x, target, dev)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ProfileError(f"the model's loss failed on the last layer's output: {e}") from None
-        opt = optimizer and optimizer_ms_per_byte(
+        rates = optimizer and optimizer_ms_per_byte(
             optimizer, (cast_floats_to(p.detach().to(dev), torch_dtype) for layer in spec.layers
                         for p in layer.parameters()), timer, warmup=warmup, repeats=repeats)
+        opt, copy_ms = rates if rates else (None, None)
     passes = [sum(per_repeat) for per_repeat in zip(*(s.pop("_passes") for s in layers))]
     note = noise_warning(spread(chain or passes), repeats)
     if note and warnings is not None:
@@ -148,7 +149,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
                    link_bandwidth=gpu_link_bandwidth(dev), loss_bytes=loss_mem,
                    device_peak_bytes=None if peak is None else max(peak, torch.cuda.max_memory_allocated(dev)),
                    timing=timing if dev.type == "cuda" or timing == "stage" else None,
-                   ranks_per_host=ranks_per_host if beside else None)
+                   ranks_per_host=ranks_per_host if beside else None, copy_ms_per_byte=copy_ms)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -71,7 +71,7 @@ def layer_costs(profile: Profile, schedule: str, optimizer: str) -> LayerCosts:
                          action_ms=profile.action_ms or 0.0, message_ms=profile.message_ms or 0.0,
                          latency_ms=profile.latency_ms or 0.0, step_gap_ms=profile.step_gap_ms or 0.0,
                          layer_ms=profile.layer_ms or 0.0, update_ms=profile.update_ms or 0.0,
-                         loss_bytes=profile.loss_bytes or 0.0)
+                         loss_bytes=profile.loss_bytes or 0.0, copy_ms_per_byte=profile.copy_ms_per_byte or 0.0)
 
 
 def _explain(model: CostModel, workers: int) -> PlanningError:

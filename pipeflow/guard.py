@@ -10,6 +10,7 @@ import torch
 
 from pipeflow.failure import EXIT_NONFINITE, NonFiniteError
 from pipeflow.hooks import arm_device_skip, supports_device_skip
+from pipeflow.nonfinite import nonfinite_flag
 from pipeflow.signals import SignalStop
 
 log = logging.getLogger("pipeflow.failure")  # the name these lines had before failure.py was split: log lines unchanged
@@ -64,26 +65,7 @@ class StepGuard:
         kernel per gradient dtype (AMP's non-finite check, unscaling by exactly 1) and one over the losses."""
         e = self.engine
         dev = e.world.device
-        found = torch.zeros((), dtype=torch.float32, device=dev)
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for p in e.parameters():
-            if p.grad is not None:
-                groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-        for (gdev, dtype), grads in groups.items():
-            one = self._ones.get((gdev, dtype))
-            if one is None:
-                one = self._ones[(gdev, dtype)] = torch.ones((), dtype=torch.float32, device=gdev)
-            if dtype in (torch.float16, torch.float32, torch.float64):
-                hit = found if gdev == dev else torch.zeros((), dtype=torch.float32, device=gdev)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, hit, one)  # x * 1 == x: grads unchanged
-                if hit is not found:
-                    found = torch.maximum(found, hit.to(dev))
-            elif dtype.is_floating_point:  # bfloat16 (AMP's check has no CUDA kernel for it): max-norms, NaN kept
-                bad = ~torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all()
-                found = torch.maximum(found, bad.float().to(dev))
-            else:  # other dtypes (complex): the per-tensor check
-                bad = ~torch.stack([g.isfinite().all() for g in grads]).all()
-                found = torch.maximum(found, bad.float().to(dev))
+        found = nonfinite_flag((p.grad for p in e.parameters() if p.grad is not None), dev, self._ones)
         if e.holds_last and e.losses:
             bad_loss = (~torch.stack(e.losses[-self.losses_per_step:]).isfinite().all()).float().to(dev)
         else:

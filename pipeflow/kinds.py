@@ -122,6 +122,14 @@ class ScheduleKind:
             return 1 + (in_flight > 1)
         return 0
 
+    def copies_per_update(self, replicas: Sequence[int], stage: int) -> int:
+        """Weight copies `stage` takes per optimizer update in the steady state (pipeflow/stash.py's VersionBook):
+        async one where forwards run ahead of their backwards (the version a later backward needs, which the
+        update overwrites), none on the last stage; 2bw one per minibatch on every stage; the others none."""
+        if self.weights is Weights.STASH:
+            return int(warmup_forwards(replicas, stage) > 0)
+        return int(self.weights is Weights.DOUBLE_BUFFER)
+
     def violation(self, m: int, replicas: Sequence[int], warmup: Sequence[int] | None = None) -> str | None:
         """Why this schedule cannot run stages with these replica counts at m microbatches (None: it can).
         async: a step per microbatch on every replica, all-reduced, so each replica runs as many: replicas

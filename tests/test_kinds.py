@@ -301,3 +301,48 @@ def test_async_copies_bound_the_runtime_s():
                 for w, h in enumerate(held):
                     model = kind.stashed_versions(fill[sched.stage_of(w)])
                     assert h is not None and h <= model and (h == 0) == (model == 0), (reps, m, w, h, model)
+
+
+def _copies_per_update(sched, m: int) -> list[float]:
+    """Per worker, the weight copies its VersionBook takes per STEP over the middle third of its list (the steady
+    state; a segment's first minibatches and its drain copy less)."""
+    from pipeflow.stash import VersionBook, version_fn
+
+    out = []
+    for w, actions in enumerate(sched.actions):
+        book = VersionBook(actions, version_fn(sched, sched.stage_of(w), minibatch=m), sched=sched, worker=w)
+        takes: list[int] = []  # copies taken up to each STEP
+        count = 0
+        for a in actions:
+            if a.kind is Kind.F:
+                count += book.forward(a.microbatch)[2]
+            elif a.kind is Kind.B:
+                book.backward(a.microbatch)
+            elif a.kind is Kind.STEP:
+                count += book.step() is not None
+                takes.append(count)
+        a, b = len(takes) // 3, 2 * len(takes) // 3
+        out.append((takes[b] - takes[a]) / (b - a))
+    return out
+
+
+@pytest.mark.parametrize("name", ["async", "2bw", "1f1b"])
+def test_copies_per_update_are_the_runtime_s(name):
+    """The cost model's weight copies per update (priced at the profile's copy_ms_per_byte) are those the
+    runtime's VersionBook takes in the steady state, stage by stage: async one on every stage whose forwards run
+    ahead of their backwards and none on the last, 2bw one per minibatch everywhere, flush schedules none."""
+    import itertools
+
+    kind = schedule_kind(name)
+    for S in (1, 2, 3, 4):
+        for reps in itertools.product((1, 2), repeat=S):
+            m = 4
+            if kind.violation(m, reps) is not None:
+                continue
+            if kind.flush:
+                assert all(kind.copies_per_update(reps, s) == 0 for s in range(S))
+                continue
+            sched = generate(name, S, 12 * m, reps, minibatch=m)
+            per_update = _copies_per_update(sched, m)
+            model = [kind.copies_per_update(reps, sched.stage_of(w)) for w in range(len(per_update))]
+            assert per_update == model, (reps, per_update, model)

@@ -329,3 +329,15 @@ def test_profiling_leaves_no_tensor_alive(timing: str) -> None:
     before = alive()
     profile_model(spec, 2, "cpu", warmup=0, repeats=1, timing=timing)
     assert alive() == before
+
+
+def test_the_profile_times_a_weight_copy_with_the_optimizer():
+    """copy_ms_per_byte (what async and 2bw pay to keep a weight version) is timed with the optimizer's update,
+    and round-trips through the file; without an optimizer neither is timed."""
+    spec = build_model("mlp", {"layers": 2, "hidden": 64})
+    prof = profile_model(spec, 4, "cpu", warmup=1, repeats=2)
+    assert prof.copy_ms_per_byte is not None and prof.copy_ms_per_byte > 0
+    assert prof.optimizer_ms_per_byte["adam"] > 0
+    assert Profile.from_json(json.loads(json.dumps(prof.to_json()))).copy_ms_per_byte == prof.copy_ms_per_byte
+    alone = profile_model(spec, 4, "cpu", warmup=0, repeats=1, optimizer=None)
+    assert alone.copy_ms_per_byte is None and "copy_ms_per_byte" not in alone.to_json()

@@ -336,3 +336,23 @@ def test_a_transfer_starts_with_the_senders_own_time_for_the_message(link_ms: fl
     assert simulate("gpipe", stages, microbatches=1).step_ms == pytest.approx(step_ms)
     plain = [StageCost(1.5, 2.0, send_ms=link_ms), StageCost(1.0, 2.5)]
     assert simulate("gpipe", plain, microbatches=1).step_ms == pytest.approx(summed_ms)
+
+
+@pytest.mark.parametrize("schedule, copies", [("async", [1, 0]), ("2bw", [1, 1]), ("1f1b", [0, 0])])
+def test_weight_copies_are_priced_per_update(schedule: str, copies: list[int]) -> None:
+    """copy_ms_per_byte (one copy of the weights, pipeflow-profile) is added to a stage's update as many times
+    as the runtime copies there per update (async: every stage but the last; 2bw: every stage, once a minibatch),
+    and the step time grows accordingly; before, the copies were not priced."""
+    def prof(copy: float | None) -> Profile:
+        return Profile("m", {}, "cpu", "float32", 1, [LayerProfile(f"l{i}", 1.0, 1.0, 0, 0, 1000 * (i + 1))
+                                                      for i in range(2)],
+                       optimizer_ms_per_byte={"adam": 1e-4}, copy_ms_per_byte=copy)
+    plan = straight(schedule, 4)
+    base, priced = (evaluate_plan(prof(c), plan) for c in (None, 2e-4))
+    for k, (a, b) in enumerate(zip(base.costs, priced.costs)):
+        assert b.optimizer_ms - a.optimizer_ms == pytest.approx(copies[k] * 2e-4 * 1000 * (k + 1))
+    grew = priced.plan.predicted["step_ms"] - base.plan.predicted["step_ms"]
+    assert (grew > 0) == any(copies)
+    assert Profile.from_json(prof(2e-4).to_json()).copy_ms_per_byte == 2e-4
+    with pytest.raises(ProfileError, match=r"^p: copy_ms_per_byte must be a number in \[0, 1e\+09\], found -1$"):
+        Profile.from_json({**prof(None).to_json(), "copy_ms_per_byte": -1}, source="p")
