@@ -14,7 +14,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from pipeflow.hostmem import keep_freed_host_memory
-from pipeflow.nonfinite import nonfinite_flag
+from pipeflow.tensorops import copy_weights, nonfinite_flag
 
 # A rank under mpirun runs one torch thread per process on CPU (issue 13: the profile taken with 2 threads
 # predicted 2x the speed training got); pipeflow-profile times the layers the same way unless told otherwise.
@@ -177,8 +177,8 @@ def make_optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimiz
 def optimizer_ms_per_byte(name: str, parameters: Iterable[torch.Tensor], timer: Timer, *, warmup: int,
                           repeats: int) -> tuple[float, float] | None:
     """Median ms per parameter byte of (1) one update as a rank runs it, the non-finite check of the gradients
-    (pipeflow/nonfinite.py) and the optimizer step, and (2) one copy of the weights, as the asynchronous
-    schedules keep a version (pipeflow/stash.py: one multi-tensor copy); on copies of (a prefix of) the
+    (pipeflow/tensorops.py) and the optimizer step, and (2) one copy of the weights, as the asynchronous
+    schedules keep a version (tensorops.copy_weights, as pipeflow/stash.py does); on copies of (a prefix of) the
     parameters with random gradients; None when there are no parameters. The first step, which allocates the
     state, is never timed."""
     params: list[torch.Tensor] = []
@@ -202,7 +202,7 @@ def optimizer_ms_per_byte(name: str, parameters: Iterable[torch.Tensor], timer: 
         opt.step()
 
     stashed = [torch.empty_like(q) for q in params]
-    copies = [timer(lambda: torch._foreach_copy_(stashed, params)) for _ in range(warmup + repeats)][warmup:]
+    copies = [timer(lambda: copy_weights(stashed, params)) for _ in range(warmup + repeats)][warmup:]
     times = [timer(update) for _ in range(warmup + repeats)][warmup:]
     return statistics.median(times) / nbytes, statistics.median(copies) / nbytes
 

@@ -10,8 +10,8 @@ import torch
 
 from pipeflow.failure import EXIT_NONFINITE, NonFiniteError
 from pipeflow.hooks import arm_device_skip, supports_device_skip
-from pipeflow.nonfinite import nonfinite_flag
 from pipeflow.signals import SignalStop
+from pipeflow.tensorops import nonfinite_flag
 
 log = logging.getLogger("pipeflow.failure")  # the name these lines had before failure.py was split: log lines unchanged
 

@@ -51,6 +51,7 @@ from torch import nn
 from pipeflow.hooks import WeightPolicy
 from pipeflow.kinds import Weights, schedule_kind, warmup_forwards
 from pipeflow.schedule import Action, Kind, Schedule, ScheduleError
+from pipeflow.tensorops import copy_weights
 
 log = logging.getLogger(__name__)
 
@@ -192,10 +193,9 @@ class StashPolicy(WeightPolicy):
             buf = [nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad) for _, _, p in self.slots]
             self.allocated += 1
         with torch.no_grad():  # the buffer is free: no graph references it
-            # One multi-tensor copy, not one launch per parameter: on a GPU at small microbatches the
-            # launches, not the bytes, were the cost of the copy (issue 15).
-            dst: list[torch.Tensor] = list(buf)
-            torch._foreach_copy_(dst, [p for _, _, p in self.slots])
+            # The large tensors one by one, at the memory's bandwidth, the small ones in one multi-tensor copy
+            # (at small microbatches the launches, not the bytes, were the cost of the copy: issue 15).
+            copy_weights(list(buf), [p for _, _, p in self.slots])
         self.copies[v] = buf
 
     def _bind(self, params: list[nn.Parameter]) -> None:

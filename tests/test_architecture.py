@@ -31,9 +31,9 @@ FORMATS = {"pipeflow.schedule", "pipeflow.actions", "pipeflow.kinds", "pipeflow.
 # alone, the model contract it profiles (pipeflow.spec: ModelSpec, build_model) and the data order it
 # feeds (pipeflow.data.loader: MicrobatchLoader), and the B/W split it times (pipeflow.split).
 # pipeflow.hostmem: the CPU ranks' malloc setting (ctypes only), which measurement takes on to time as a rank runs;
-# pipeflow.nonfinite: the non-finite check of an update (torch only), which measurement times with the optimizer.
+# pipeflow.tensorops: an update's non-finite check and weight copy (torch only), which measurement times.
 PARTITIONER_MAY_IMPORT = {"pipeflow.schedule", "pipeflow.actions", "pipeflow.kinds", "pipeflow.zerobubble",
-                         "pipeflow.interleave", "pipeflow.warmup", "pipeflow.hostmem", "pipeflow.nonfinite"}
+                         "pipeflow.interleave", "pipeflow.warmup", "pipeflow.hostmem", "pipeflow.tensorops"}
 PROFILER_MAY_IMPORT = PARTITIONER_MAY_IMPORT | {"pipeflow.spec", "pipeflow.data.loader", "pipeflow.split"}
 PROFILER_MODULES = {"partitioner.profiler", "partitioner.layermem", "partitioner.chain", "partitioner.layertime",
                     "partitioner.companion"}  # they run the layers

@@ -1,8 +1,9 @@
-"""The non-finite check of an update's gradients, on the device without reading it (guard.StepGuard runs it at
-every STEP; pipeflow-profile times it with the optimizer step, as part of what an update costs)."""
+"""What an update does on the device besides the optimizer step: the non-finite check of the gradients, without
+reading it (guard.StepGuard runs it at every STEP), and the copy of a stage's weights that the asynchronous
+schedules keep as a version (stash.py); pipeflow-profile times both, as part of what an update costs."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -33,3 +34,23 @@ def nonfinite_flag(grads: Iterable[torch.Tensor], device: torch.device,
             bad = ~torch.stack([g.isfinite().all() for g in same]).all()
             found = torch.maximum(found, bad.float().to(device))
     return found
+
+
+# Tensors of at least this many elements are copied one by one: a plain copy of a large tensor runs at the
+# memory's bandwidth, where the multi-tensor copy moved 1.38 GB of GPT stage-0 weights in 3.2 ms on an H200
+# (0.86 TB/s, benchmarks/gpu/README.md); the small ones (biases, norms) share one multi-tensor launch.
+LARGE = 1 << 20
+
+
+def copy_weights(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for every i: the large tensors each by its own copy, the rest in one multi-tensor
+    copy (one launch for many small tensors: at small microbatches the launches, not the bytes, cost)."""
+    small_d, small_s = [], []
+    for d, s in zip(dst, src, strict=True):
+        if s.numel() >= LARGE:
+            d.copy_(s)
+        else:
+            small_d.append(d)
+            small_s.append(s)
+    if small_d:
+        torch._foreach_copy_(small_d, small_s)
