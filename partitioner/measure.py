@@ -194,7 +194,8 @@ def optimizer_ms_per_byte(name: str, parameters: Iterable[torch.Tensor], timer: 
         return None
     opt = make_optimizer(name, params)
     opt.step()
-    device, ones = params[0].device, {}  # type: ignore[var-annotated]
+    device = params[0].device
+    ones: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # the check's scale tensors, made once
     grads = [q.grad for q in params if q.grad is not None]
 
     def update() -> None:
