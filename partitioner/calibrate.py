@@ -9,10 +9,10 @@ gloo's send writes the socket from the calling thread). With small layers that i
     action_ms  = median over ranks and steps of (own - n * profiled) / (2 n)
 
 where a rank's `own` time in a step is its F, B and W spans plus the gaps between its spans (dispatch),
-its WAIT, SEND and STEP spans excluded (and on a replicated stage what its last backward took beyond its
-others: the all-reduce runs beside it, priced below), n its forwards in the step, and `profiled` its stage's
-forward + backward per microbatch as the planner counts them. On a plan with replicas it also reads the
-all-reduce's bandwidth between ranks (on CPU gloo's over loopback, far from the default topology):
+its WAIT, SEND and STEP spans excluded (and a replicated stage's last backward beyond its others: the
+all-reduce runs beside it, priced below), n its forwards in the step, and `profiled` its stage's forward +
+backward per microbatch as the planner counts them (with the profile's contention, price.contention_scale). With
+replicas it also reads the all-reduce's bandwidth between ranks (on CPU gloo's over loopback):
 
     link_bandwidth = 2 (r-1)/r * P / (last B + STEP - optimizer step)   (bytes/s)
 
@@ -44,12 +44,10 @@ the non-finite check and the weight copies it makes keep: the rank that reached 
 no other), the median over steps.
 
 The first `--skip` steps (warm-up) are left out. The numbers go into profile.json as optional fields
-(docs/formats.md, docs/calibration.md: where the planner and the simulator add each). They are properties
-of the machine and the runtime: the calibration runs serve the other models planned on that machine."""
+(docs/formats.md, docs/calibration.md): the machine's and the runtime's, they serve the other models planned there."""
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 from collections import defaultdict
@@ -61,6 +59,7 @@ import numpy as np
 
 from partitioner.jsonfile import read_json
 from partitioner.plan import Plan, PlanError
+from partitioner.price import contention_scale
 from partitioner.profile import Profile, ProfileError
 from partitioner.service import evaluate_plan, layer_costs
 from pipeflow.kinds import schedule_kind
@@ -110,13 +109,16 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
             raise ProfileError(f"calibrate needs a plan with one stage per rank, found {pl.virtual_stages} chunks "
                                "per rank (interleaved): trace a plan without --virtual-stages")
         lay = layer_costs(replace(prof, compute_factor=None), pl.schedule, optimizer)  # as profiled
+        busy = contention_scale(lay, evaluate_plan(replace(prof, compute_factor=None, contention=None), pl,
+                                                   optimizer=optimizer).sim, pl.workers)  # as the planner scales them
         kind = schedule_kind(pl.schedule)
         L = len(lay)
         by_rank, sent = _spans(tr), len(sends)
         for rank, steps in by_rank.items():
             st = pl.stages[s := pl.stage_of_rank(rank)[0]]
             a, b = st.layers
-            profiled = float(lay.forward_ms[a:b].sum() + lay.backward_ms[a:b].sum()) + (lay.loss_ms if b == L else 0.0)
+            profiled = busy * (float(lay.forward_ms[a:b].sum() + lay.backward_ms[a:b].sum())
+                               + (lay.loss_ms if b == L else 0.0))
             p = float(lay.parameter_bytes[a:b].sum())
             upd = p * (lay.optimizer_ms_per_byte + lay.copy_ms_per_byte * kind.copies_per_update(pl.replicas, s))
             own_per_mb: list[float] = []
@@ -226,20 +228,10 @@ def _step_period_ms(by_rank: dict[int, dict[int, list[tuple[str, float, float]]]
     return statistics.median(periods) if periods else None
 
 
-def with_costs(profile: Profile, found: dict[str, float]) -> Profile:
-    """A copy of `profile` with the runtime's costs `found` (calibrate's keys) at every microbatch size of it:
-    they are the machine's, not the size's."""
-    out = copy.deepcopy(profile)
-    for prof in out.at_sizes():
-        for key, value in found.items():
-            setattr(prof, key, value)
-    return out
-
-
 def _latency_ms(profile: Profile, plan: Plan, found: dict[str, float], period_ms: float, optimizer: str) -> float:
     """The per-message latency at which the simulator, with the other calibrated costs, gives the traced
     run's step time (bisection: the simulated step time never decreases with it); 0 when it already does."""
-    calibrated = with_costs(profile, found)
+    calibrated = profile.with_costs(found)
 
     def step_ms(latency: float) -> float:
         calibrated.latency_ms = latency
@@ -281,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             plan.validate(num_layers=len(profile.layers))
             runs.append((profile, plan, read_json(trace_path, "trace", ProfileError)))
         found = calibrate(*runs[0], skip=args.skip, also=runs[1:])
-        with_costs(runs[0][0], {k: round(v, 6) if k.endswith("_ms") or k == "compute_factor" else v
+        runs[0][0].with_costs({k: round(v, 6) if k.endswith("_ms") or k == "compute_factor" else v
                                 for k, v in found.items()}).save(args.output)
     except (ProfileError, PlanError, OSError) as e:
         print(f"calibrate: error: {e}", file=sys.stderr)

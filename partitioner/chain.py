@@ -121,7 +121,7 @@ def time_chain(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: i
     return ChainTimes(fwd, bwd, acc, passes, map_tensors(h, lambda t: t.detach()))
 
 
-def _layer_bytes(stats: dict[str, Any]) -> int:
+def layer_bytes(stats: dict[str, Any]) -> int:
     """What a layer holds while a chain runs through it: parameters and their gradients, saved activations,
     its output and that output's gradient."""
     return 2 * stats["parameter_bytes"] + stats["activation_bytes"] + 2 * stats["output_bytes"]
@@ -140,9 +140,9 @@ def time_as_a_stage(spec: ModelSpec, layers: list[dict[str, Any]], x: Any, dev: 
     passes: list[float] = []
     start = 0
     while start < len(layers):
-        end, need = start + 1, _layer_bytes(layers[start])
-        while end < len(layers) and need + _layer_bytes(layers[end]) <= budget:
-            need += _layer_bytes(layers[end])
+        end, need = start + 1, layer_bytes(layers[start])
+        while end < len(layers) and need + layer_bytes(layers[end]) <= budget:
+            need += layer_bytes(layers[end])
             end += 1
         works = [sandbox_copy(layer, dev, dtype, fuse=fuse) for layer in spec.layers[start:end]]
         times = time_chain(works, x, dev, warmup=warmup, repeats=repeats)

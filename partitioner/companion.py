@@ -1,9 +1,13 @@
-"""pipeflow-profile --ranks-per-host N: while the layers are timed, N - 1 companion processes run the model's
-forward and backward again and again, as the other ranks of a host do in training.
+"""pipeflow-profile --ranks-per-host N: how much N - 1 busy ranks slow this one. The model's forward and backward
+passes are timed alone and while N - 1 companion processes run the model again and again, as the other ranks of
+a host do in training; the ratio is profile.json's `contention`, which the planner applies to a plan as far as
+its ranks compute at once (partitioner/price.py).
 
 Issue 13: two ranks computing at once slow each other (on CPU they share the caches and the memory bandwidth;
 on a GPU host, the host's cores and memory): a layer timed in a lone process is faster than the same layer in
-a rank beside busy ones (benchmarks/planner/README.md measured 1.07x on the CPU gpt row). Each companion is a
+a rank beside busy ones (benchmarks/planner/README.md measured 1.07x on the CPU gpt row), and by how much
+depends on how much of the time the other ranks compute (a data-parallel rank's peers always do; a pipeline's
+wait for each other). Each companion is a
 child process (`python -m partitioner.companion CONFIG`) that rebuilds the model by name, says "ready" once its
 first pass is done, and stops when its standard input closes: when the profiler is done, or dies."""
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -173,3 +178,33 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def contention(spec: Any, layers: list[dict[str, Any]], x: Any, dev: Any, dtype: Any, *, warmup: int, repeats: int,
+               fuse: bool, config: dict[str, Any], devices: list[str], warnings: list[str] | None) -> float:
+    """A forward and backward pass over the model's first layers (those whose bytes, `layers`' stats, fit in half
+    the device's free memory) beside the companions on `devices`, over the same pass alone: the median pass of
+    `repeats`, alone before and after (a machine's drift between them cancels)."""
+    import torch
+
+    from partitioner.chain import layer_bytes, time_chain
+    from partitioner.layermem import sandbox_copy
+    from partitioner.measure import free_cached, machine_bytes
+
+    budget = (torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else machine_bytes(dev)[0] // 2) // 2
+    count, need = 1, layer_bytes(layers[0])
+    while count < len(layers) and need + layer_bytes(layers[count]) <= budget:
+        need += layer_bytes(layers[count])
+        count += 1
+    works = [sandbox_copy(layer, dev, dtype, fuse=fuse) for layer in spec.layers[:count]]
+
+    def passes() -> list[float]:
+        return time_chain(works, x, dev, warmup=warmup, repeats=repeats).passes
+
+    alone = passes()
+    with companions(config, devices, warnings):
+        beside = passes()
+    alone += passes()
+    works.clear()
+    free_cached(dev)
+    return statistics.median(beside) / statistics.median(alone)

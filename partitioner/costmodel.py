@@ -74,6 +74,7 @@ class LayerCosts:
     update_ms: float = 0.0  # the runtime's own time per optimizer update beyond the profiled step (profile.update_ms)
     loss_bytes: float = 0.0  # the loss's memory beyond its input, on the last layer's stage (profile.loss_bytes)
     copy_ms_per_byte: float = 0.0  # one copy of the weights (a stashed version), per byte (profile.copy_ms_per_byte)
+    contention: float = 1.0  # the layers beside busy ranks over alone (profile.contention; price.contention_scale)
 
     @classmethod
     def of(cls, forward_ms: Sequence[float], backward_ms: Sequence[float], output_bytes: Sequence[float],
@@ -81,7 +82,7 @@ class LayerCosts:
            optimizer_ms_per_byte: float = 0.0, backward_weight_ms: Sequence[float] | None = None,
            action_ms: float = 0.0, message_ms: float = 0.0, latency_ms: float = 0.0,
            step_gap_ms: float = 0.0, layer_ms: float = 0.0, update_ms: float = 0.0,
-           loss_bytes: float = 0.0, copy_ms_per_byte: float = 0.0) -> LayerCosts:
+           loss_bytes: float = 0.0, copy_ms_per_byte: float = 0.0, contention: float = 1.0) -> LayerCosts:
         cols = [np.asarray(c, dtype=np.float64) for c in
                 (forward_ms, backward_ms, output_bytes, activation_bytes, parameter_bytes)]
         if len({len(c) for c in cols}) != 1 or len(cols[0]) == 0:
@@ -90,7 +91,7 @@ class LayerCosts:
         weight = None if backward_weight_ms is None else np.minimum(np.asarray(backward_weight_ms, np.float64), cols[1])
         return cls(cols[0], cols[1], cols[2], cols[3], cols[4], float(loss_ms), float(optimizer_ms_per_byte), weight,
                    float(action_ms), float(message_ms), float(latency_ms), float(step_gap_ms), float(layer_ms),
-                   float(update_ms), float(loss_bytes), float(copy_ms_per_byte))
+                   float(update_ms), float(loss_bytes), float(copy_ms_per_byte), max(1.0, float(contention)))
 
     def __len__(self) -> int:
         return len(self.forward_ms)

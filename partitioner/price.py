@@ -38,24 +38,25 @@ def level_factors(ranks: Sequence[int], topology: Topology) -> list[int]:
 
 
 def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int, int]],
-                ranks: Sequence[Sequence[int]]) -> list[StageCost]:
+                ranks: Sequence[Sequence[int]], *, scale: float = 1.0) -> list[StageCost]:
     """Per stage: compute (the loss on the last; the runtime's own time per action and message sent,
     LayerCosts.stage_overhead_ms), its output, a ring all-reduce 2 (r-1)/r P / B for each level its
     replicas span, the optimizer step. send_ms is for the table: one message at the bandwidth
-    between the first replicas of this stage and the next (the simulator prices every pair itself)."""
+    between the first replicas of this stage and the next (the simulator prices every pair itself). `scale`
+    multiplies the layers' and the loss's times (contention_scale)."""
     L, out = len(lay), []
     for t, ((a, b), rs) in enumerate(zip(ranges, ranks)):
         p = float(lay.parameter_bytes[a:b].sum())
         extra_f, extra_b = lay.stage_overhead_ms(a, b)  # the runtime's own time (costmodel, as in the DP)
-        fwd = float(lay.forward_ms[a:b].sum()) + (lay.loss_ms if b == L else 0.0) + float(extra_f)
+        fwd = scale * (float(lay.forward_ms[a:b].sum()) + (lay.loss_ms if b == L else 0.0)) + float(extra_f)
         nbytes = float(lay.output_bytes[b - 1]) if t + 1 < len(ranges) else 0.0
         send = 0.0
         if t + 1 < len(ranges):
             send = nbytes / (topology.levels[topology.level_of(rs[0], ranks[t + 1][0])].bandwidth / 1e3)
         ar = sum(2.0 * (f - 1) / f * p / (topology.levels[k].bandwidth / 1e3)
                  for k, f in enumerate(level_factors(rs, topology)) if f > 1)
-        weight = 0.0 if lay.backward_weight_ms is None else float(lay.backward_weight_ms[a:b].sum())
-        out.append(StageCost(fwd, float(lay.backward_ms[a:b].sum()) + float(extra_b), send, ar, p,
+        weight = 0.0 if lay.backward_weight_ms is None else scale * float(lay.backward_weight_ms[a:b].sum())
+        out.append(StageCost(fwd, scale * float(lay.backward_ms[a:b].sum()) + float(extra_b), send, ar, p,
                              float(lay.activation_bytes[a:b].sum()), lay.optimizer_ms_per_byte * p, nbytes, weight,
                              lay.latency_ms, lay.message_ms, lay.loss_bytes if b == L else 0.0))
     return out
@@ -76,19 +77,36 @@ def price(lay: LayerCosts, topology: Topology, schedule: str, microbatches: int,
           keep_timeline: bool = False, warmup: Sequence[int] | None = None) -> tuple[list[StageCost], SimResult]:
     """Stage costs and the simulation of the plan (ranks per stage in replica order); `warmup` (1f1b, 2bw):
     the forwards before the first backward per stage, None for the schedule's minimum."""
-    costs = stage_costs(lay, topology, ranges, ranks)
     # Stage k on the ranks of stage k mod S (chunks placed round-robin, partitioner/plan.py): v = stages / S.
     groups = next((k for k in range(1, len(ranks)) if list(ranks[k]) == list(ranks[0])), len(ranks))
     kind = schedule_kind(schedule)
-    for s, cost in enumerate(costs[:groups]):  # the runtime's own time per update: one of a rank's chunks together
-        # and the weight copies an update makes the asynchronous schedules keep (ScheduleKind.copies_per_update)
-        cost.optimizer_ms += lay.update_ms + lay.copy_ms_per_byte * cost.parameter_bytes * kind.copies_per_update(
-            [len(r) for r in ranks[:groups]], s)
-    sim = simulate(schedule, costs, [len(r) for r in ranks], microbatches, optimizer=optimizer,
-                   keep_timeline=keep_timeline, ranks=ranks, topology=topology,
-                   virtual_stages=len(ranks) // groups, warmup=warmup)
-    sim.step_ms += lay.step_gap_ms  # the runtime's time between two steps (calibrated), once per step
-    return costs, sim
+
+    def run(scale: float) -> tuple[list[StageCost], SimResult]:
+        costs = stage_costs(lay, topology, ranges, ranks, scale=scale)
+        for s, cost in enumerate(costs[:groups]):  # the runtime's own time per update (a rank's chunks together)
+            # and the weight copies an update makes the asynchronous schedules keep (ScheduleKind.copies_per_update)
+            cost.optimizer_ms += lay.update_ms + lay.copy_ms_per_byte * cost.parameter_bytes * kind.copies_per_update(
+                [len(r) for r in ranks[:groups]], s)
+        sim = simulate(schedule, costs, [len(r) for r in ranks], microbatches, optimizer=optimizer,
+                       keep_timeline=keep_timeline, ranks=ranks, topology=topology,
+                       virtual_stages=len(ranks) // groups, warmup=warmup)
+        sim.step_ms += lay.step_gap_ms  # the runtime's time between two steps (calibrated), once per step
+        return costs, sim
+
+    costs, sim = run(1.0)
+    scale = contention_scale(lay, sim, sum(len(r) for r in ranks[:groups]))
+    return run(scale) if scale > 1.0 else (costs, sim)
+
+
+def contention_scale(lay: LayerCosts, sim: SimResult, workers: int) -> float:
+    """How much slower a plan's layers run than profiled alone because its ranks compute at once (issue 13):
+    1 + (contention - 1) u, where profile.json's `contention` is a pass beside ranks computing all the time over
+    one alone and u the share of the step the plan's ranks compute (1 - the simulated bubble, its run with the
+    layers as profiled). A data-parallel plan's ranks always compute; a pipeline's wait for each other. One
+    worker: 1. At least 1, so the DP's bound, which prices the layers alone, stays below the simulation."""
+    if workers < 2 or lay.contention <= 1.0:
+        return 1.0
+    return 1.0 + (lay.contention - 1.0) * max(0.0, 1.0 - sim.bubble_fraction)
 
 
 def tune_warmup(lay: LayerCosts, topology: Topology, schedule: str, microbatches: int,

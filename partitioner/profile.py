@@ -7,7 +7,8 @@ backward that zero-bubble schedules defer (pipeflow/split.py); at the top, `loss
 backward per microbatch) and `optimizer_ms_per_byte` ({"adam": ..., "sgd": ...}: one update per parameter byte as
 a rank runs it, the gradients' non-finite check and the step), and `loss_bytes`, the memory the loss takes beyond
 its input from its forward to the end of its backward (on the last stage's peak); `ranks_per_host`, how many
-processes computed at once while the layers were timed (pipeflow-profile --ranks-per-host; absent: one);
+processes computed at once when `contention` was measured: a forward and backward pass beside ranks_per_host - 1
+busy companions over the same pass alone (pipeflow-profile --ranks-per-host; the layers are timed alone);
 `copy_ms_per_byte`, one copy of the weights per byte, which async and 2bw make to keep a weight version (priced
 per update, ScheduleKind.copies_per_update). The planner uses them when present and counts them as 0 (or
 backward_ms) when absent;
@@ -33,6 +34,7 @@ one-size profile.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -123,11 +125,21 @@ class Profile:
     loss_bytes: float | None = None  # the loss's memory beyond its input, forward to backward (layermem.loss_bytes)
     ranks_per_host: int | None = None  # timed beside this many - 1 busy companions (pipeflow-profile --ranks-per-host)
     copy_ms_per_byte: float | None = None  # one copy of the weights per byte (a stashed version; measure.py)
+    contention: float | None = None  # a pass beside ranks_per_host - 1 busy companions over one alone (companion.py)
     # not in the file: the device's peak while profiling (layermem.loss_bytes resets CUDA's peak statistic)
     device_peak_bytes: int | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def with_costs(self, found: dict[str, float]) -> Profile:
+        """A copy with the runtime's costs `found` (partitioner.calibrate's keys) at every microbatch size of it:
+        they are the machine's, not the size's."""
+        out = copy.deepcopy(self)
+        for prof in out.at_sizes():
+            for key, value in found.items():
+                setattr(prof, key, value)
+        return out
 
     def at_sizes(self) -> list[Profile]:
         """This profile and those at its other microbatch sizes, by size."""
@@ -163,10 +175,10 @@ class Profile:
             v = getattr(self, key)
             if v is not None and (not _is_number(v) or not 0 <= v <= MAX_MS):
                 raise ProfileError(f"{source}: {key} must be a number in [0, {MAX_MS:g}] (ms), found {_show(v)}")
-        f = self.compute_factor
-        if f is not None and (not _is_number(f) or not 0 < f <= MAX_COMPUTE_FACTOR):
-            raise ProfileError(f"{source}: compute_factor must be a number in (0, {MAX_COMPUTE_FACTOR:g}], "
-                               f"found {_show(f)}")
+        for key in ("compute_factor", "contention"):
+            f = getattr(self, key)
+            if f is not None and (not _is_number(f) or not 0 < f <= MAX_COMPUTE_FACTOR):
+                raise ProfileError(f"{source}: {key} must be a number in (0, {MAX_COMPUTE_FACTOR:g}], found {_show(f)}")
         c = self.copy_ms_per_byte
         if c is not None and (not _is_number(c) or not 0 <= c <= MAX_MS):
             raise ProfileError(f"{source}: copy_ms_per_byte must be a number in [0, {MAX_MS:g}], found {_show(c)}")
@@ -227,6 +239,8 @@ class Profile:
             d["ranks_per_host"] = self.ranks_per_host
         if self.copy_ms_per_byte is not None:
             d["copy_ms_per_byte"] = self.copy_ms_per_byte
+        if self.contention is not None:
+            d["contention"] = self.contention
         d.update({k: getattr(self, k) for k in (*RUNTIME_NUMBERS, "compute_factor") if getattr(self, k) is not None})
         return d
 
@@ -263,7 +277,7 @@ class Profile:
                        step_gap_ms=d.get("step_gap_ms"), layer_ms=d.get("layer_ms"), update_ms=d.get("update_ms"),
                        compute_factor=d.get("compute_factor"), timing=d.get("timing"),
                        loss_bytes=d.get("loss_bytes"), ranks_per_host=d.get("ranks_per_host"),
-                       copy_ms_per_byte=d.get("copy_ms_per_byte"))
+                       copy_ms_per_byte=d.get("copy_ms_per_byte"), contention=d.get("contention"))
         except ProfileError as e:
             # __post_init__ validated with the default source name; say which file.
             raise ProfileError(str(e).replace("profile: ", f"{source}: ", 1)) from None

@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from contextlib import ExitStack
 
 import torch
 from torch import nn
 
 from partitioner.chain import time_as_a_stage
-from partitioner.companion import CompanionError, companion_devices, companions
+from partitioner.companion import CompanionError, companion_devices, contention
 from partitioner.layermem import check_microbatch_fits, loss_bytes, sandbox_copy
 from partitioner.layertime import profile_layer
 from partitioner.measure import (
@@ -69,8 +68,9 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     chain is timed a second time with each nn.Linear adding its weight gradient inside the GEMM, into the layers'
     *_gemm_ms fields, so that pipeflow-plan can choose the faster (partitioner/accumulation.py).
 
-    `ranks_per_host` > 1: everything is timed while that many - 1 companion processes (on CUDA, one on each next
-    GPU) run the model's forward and backward, as a host's other ranks do (partitioner/companion.py)."""
+    `ranks_per_host` > 1: after the rest, timed alone, the model's forward and backward passes are timed alone and
+    beside that many - 1 companion processes (on CUDA, one on each next GPU) running the model, as a host's other
+    ranks do; the ratio is the profile's `contention` (partitioner/companion.py)."""
     if dtype is not None and dtype not in DTYPES:
         raise ProfileError(f"--dtype must be one of {', '.join(DTYPES)}, found {dtype!r}")
     dev = torch.device(device)
@@ -100,14 +100,8 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     layers = []
     timer = Timer(dev, held=timing != "idle")  # the loss and the optimizer step: after other work in a stage
     # fork_rng restores the CPU and this GPU's generators
-    with torch.random.fork_rng(devices=cuda_devices), as_a_rank(dev, threads), ExitStack() as busy:
+    with torch.random.fork_rng(devices=cuda_devices), as_a_rank(dev, threads):
         check_microbatch_fits(spec, microbatch_size, dev, in_dtype, seed)
-        try:  # the companions stop when the block ends
-            busy.enter_context(companions({"model": spec.name, "model_args": dict(spec.args), "dtype": dtype,
-                                           "microbatch_size": microbatch_size, "seed": seed, "threads": threads},
-                                          beside, warnings))
-        except CompanionError as e:
-            raise ProfileError(f"--ranks-per-host {ranks_per_host}: {e}") from None
         x, y = MicrobatchLoader(spec.dataset, microbatch_size, seed=seed).microbatch(0)
         x = cast_floats_to(x, in_dtype)
         first = x
@@ -140,6 +134,14 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
             optimizer, (cast_floats_to(p.detach().to(dev), torch_dtype) for layer in spec.layers
                         for p in layer.parameters()), timer, warmup=warmup, repeats=repeats)
         opt, copy_ms = rates if rates else (None, None)
+        try:  # beside companions: how much the host's other ranks slow this one (the layers above: alone)
+            slower = beside and contention(spec, layers, first, dev, torch_dtype, warmup=warmup, repeats=repeats,
+                                           fuse=fuse, devices=beside, warnings=warnings,
+                                           config={"model": spec.name, "model_args": dict(spec.args), "dtype": dtype,
+                                                   "microbatch_size": microbatch_size, "seed": seed,
+                                                   "threads": threads})
+        except CompanionError as e:
+            raise ProfileError(f"--ranks-per-host {ranks_per_host}: {e}") from None
     passes = [sum(per_repeat) for per_repeat in zip(*(s.pop("_passes") for s in layers))]
     note = noise_warning(spread(chain or passes), repeats)
     if note and warnings is not None:
@@ -149,7 +151,8 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
                    link_bandwidth=gpu_link_bandwidth(dev), loss_bytes=loss_mem,
                    device_peak_bytes=None if peak is None else max(peak, torch.cuda.max_memory_allocated(dev)),
                    timing=timing if dev.type == "cuda" or timing == "stage" else None,
-                   ranks_per_host=ranks_per_host if beside else None, copy_ms_per_byte=copy_ms)
+                   ranks_per_host=ranks_per_host if beside else None, contention=slower or None,
+                   copy_ms_per_byte=copy_ms)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -176,8 +179,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help=f"torch threads (default on cpu: {RANK_THREADS}, as each rank under mpirun)")
     p.add_argument("--ranks-per-host", type=int, default=1, metavar="N",
-                   help="time the layers while N - 1 other processes (on cuda: on the next GPUs) run the model's "
-                        "forward and backward, as the other ranks of a host will (default 1: alone)")
+                   help="also time the model's passes beside N - 1 other processes (on cuda: on the next GPUs) "
+                        "running its forward and backward, as the other ranks of a host will: profile.json's "
+                        "contention, which pipeflow-plan applies as far as a plan's ranks compute at once "
+                        "(default 1: none)")
     p.add_argument("-o", "--output", required=True, help="profile.json to write")
     return p.parse_args(argv)
 

@@ -24,7 +24,7 @@ from partitioner.planner import (
     tabulate,
 )
 from partitioner.price import Priced, predicted, price, schedule_rule, tune_warmup
-from partitioner.profile import Profile
+from partitioner.profile import RUNTIME_NUMBERS, Profile
 from partitioner.search import search
 from partitioner.simulate import SimResult, StageCost
 from partitioner.topology import Level, Topology, format_bytes, parse_bytes
@@ -68,10 +68,9 @@ def layer_costs(profile: Profile, schedule: str, optimizer: str) -> LayerCosts:
                          profile.column("parameter_bytes"), loss_ms=f * (profile.loss_ms or 0.0),
                          optimizer_ms_per_byte=profile.optimizer_ms_per_byte.get(optimizer, 0.0),
                          backward_weight_ms=[f * x for x in profile.weight_column()],
-                         action_ms=profile.action_ms or 0.0, message_ms=profile.message_ms or 0.0,
-                         latency_ms=profile.latency_ms or 0.0, step_gap_ms=profile.step_gap_ms or 0.0,
-                         layer_ms=profile.layer_ms or 0.0, update_ms=profile.update_ms or 0.0,
-                         loss_bytes=profile.loss_bytes or 0.0, copy_ms_per_byte=profile.copy_ms_per_byte or 0.0)
+                         **{k: getattr(profile, k) or 0.0 for k in RUNTIME_NUMBERS},  # calibrated, else 0
+                         loss_bytes=profile.loss_bytes or 0.0, copy_ms_per_byte=profile.copy_ms_per_byte or 0.0,
+                         contention=profile.contention or 1.0)
 
 
 def _explain(model: CostModel, workers: int) -> PlanningError:

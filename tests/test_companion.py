@@ -1,10 +1,9 @@
-"""pipeflow-profile --ranks-per-host N: the layers timed while N - 1 companions run the model, as a host's other
-ranks do in training (issue 13), and the companions gone when the profile is done."""
+"""pipeflow-profile --ranks-per-host N: the model's passes timed alone and while N - 1 companions run the model, as a
+host's other ranks do in training (profile.json `contention`, issue 13), and the companions gone when it is done."""
 from __future__ import annotations
 
 import json
 import os
-import statistics
 
 import pytest
 
@@ -24,7 +23,9 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def test_a_companion_runs_the_model_while_the_layers_are_timed_and_stops_after(tmp_path):
+def test_contention_is_timed_beside_a_companion_between_two_passes_alone(tmp_path):
+    """The layers are timed alone; then the model's passes alone, beside a companion running the model, and alone
+    again; the ratio is the profile's contention, and the companion is gone when the profile is done."""
     log = tmp_path / "witness.log"
     spec = build_model(WITNESS, {"log": str(log)})
     prof = profile_model(spec, 4, "cpu", warmup=1, repeats=3, optimizer=None, threads=1, ranks_per_host=2)
@@ -33,18 +34,22 @@ def test_a_companion_runs_the_model_while_the_layers_are_timed_and_stops_after(t
     others = {p for p, _ in lines if p != os.getpid()}
     assert mine and len(others) == 1, lines[:5]
     (pid,) = others
-    # still running forwards after half of this process's timed forwards, and stopped once the profile returned
-    assert max(t for p, t in lines if p == pid) >= statistics.median(mine)
+    theirs = [t for p, t in lines if p == pid]
+    # this process ran forwards before the companion's first (the layers, a pass alone) and after its last (a
+    # pass alone again), and the companion stopped with the profile
+    assert min(mine) < min(theirs) and max(theirs) < max(mine)
     assert _gone(pid)
-    assert prof.ranks_per_host == 2
-    assert Profile.from_json(json.loads(json.dumps(prof.to_json()))).ranks_per_host == 2
+    assert prof.ranks_per_host == 2 and prof.contention is not None and prof.contention > 0
+    back = Profile.from_json(json.loads(json.dumps(prof.to_json())))
+    assert (back.ranks_per_host, back.contention) == (2, prof.contention)
 
 
 def test_alone_by_default_writes_no_ranks_per_host(tmp_path):
     log = tmp_path / "witness.log"
     prof = profile_model(build_model(WITNESS, {"log": str(log)}), 4, "cpu", warmup=0, repeats=1, optimizer=None)
     assert {int(x.split()[0]) for x in log.read_text().splitlines()} == {os.getpid()}
-    assert prof.ranks_per_host is None and "ranks_per_host" not in prof.to_json()
+    assert prof.ranks_per_host is None and prof.contention is None
+    assert "ranks_per_host" not in prof.to_json() and "contention" not in prof.to_json()
 
 
 def test_a_companion_that_fails_stops_the_profiler_with_its_error(tmp_path, capsys):

@@ -77,6 +77,9 @@ def random_profile(rng: random.Random, n: int) -> Profile:
         prof.action_ms, prof.message_ms, prof.latency_ms = rng.uniform(0, 1), rng.uniform(0, 2), rng.uniform(0, 3)
         prof.step_gap_ms, prof.compute_factor = rng.uniform(0, 2), rng.uniform(0.8, 1.5)
         prof.layer_ms, prof.update_ms = rng.uniform(0, 0.5), rng.uniform(0, 2)
+    # Weight copies and the ranks' contention (pipeflow-profile): priced by the simulator above the DP's bound.
+    if rng.random() < 1 / 3:
+        prof.copy_ms_per_byte, prof.contention = rng.choice([0.0, 1e-7, 1e-6]), rng.uniform(0.9, 1.6)
     return prof
 
 
@@ -102,7 +105,9 @@ def test_cli_choice_is_the_fastest_simulated_plan(tmp_path: Path, seed: int,
     assert plan is not None
     assert "warmup" not in plan  # a CPU profile: the schedule's own warm-up (the next test: GPU profiles)
     assert plan["predicted"]["step_ms"] == pytest.approx(want, rel=1e-9, abs=2e-6)  # written to 6 decimals
-    assert plan["planner"]["search"]["exact"] is (schedule in ("gpipe", "1f1b"))
+    if not (profile.contention or 1.0) > 1.0:  # contention scales the simulated layers above the DP's bound: the
+        # search may stop at its simulation limit (the plan above is still the fastest) and then claims no proof
+        assert plan["planner"]["search"]["exact"] is (schedule in ("gpipe", "1f1b"))
 
 
 def test_flush_bubble_makes_data_parallelism_win(tmp_path: Path) -> None:

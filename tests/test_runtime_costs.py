@@ -356,3 +356,26 @@ def test_weight_copies_are_priced_per_update(schedule: str, copies: list[int]) -
     assert Profile.from_json(prof(2e-4).to_json()).copy_ms_per_byte == 2e-4
     with pytest.raises(ProfileError, match=r"^p: copy_ms_per_byte must be a number in \[0, 1e\+09\], found -1$"):
         Profile.from_json({**prof(None).to_json(), "copy_ms_per_byte": -1}, source="p")
+
+
+
+@pytest.mark.parametrize("plan, alone, bubble", [
+    (Plan("1f1b", 2, 2, [StagePlan((0, 2), 2, [0, 1])]), 4.0, 0.0),  # data parallel: the ranks always compute
+    (straight("1f1b", 1), 4.0, 0.5),  # one microbatch through two stages: each computes half the step
+])
+def test_contention_slows_the_layers_as_far_as_the_ranks_compute_at_once(plan: Plan, alone: float,
+                                                                         bubble: float) -> None:
+    """profile.contention (a pass beside busy ranks over one alone) scales a plan's layers by
+    1 + (contention - 1) u, u the share of the step its ranks compute: fully for data parallelism, half for a
+    pipeline that computes half the time; one worker never; and the DP's bound stays the layers alone."""
+    base = evaluate_plan(profile(), plan)
+    assert base.plan.predicted["step_ms"] == pytest.approx(alone) and base.sim.bubble_fraction == pytest.approx(bubble)
+    busy = evaluate_plan(profile(contention=1.5), plan)
+    assert busy.plan.predicted["step_ms"] == pytest.approx(alone * (1 + 0.5 * (1 - bubble)))
+    one = Plan("1f1b", 2, 1, [StagePlan((0, 2), 1, [0])])
+    assert (evaluate_plan(profile(contention=1.5), one).plan.predicted["step_ms"]
+            == evaluate_plan(profile(), one).plan.predicted["step_ms"])
+    lay = layer_costs(profile(contention=1.5), "1f1b", "adam")
+    assert list(lay.forward_ms) == [1.0, 1.0] and lay.contention == 1.5
+    with pytest.raises(ProfileError, match=r"^p: contention must be a number in \(0, 100\], found 0$"):
+        Profile.from_json({**profile().to_json(), "contention": 0}, source="p")

@@ -21,8 +21,8 @@ Rows (';'-separated), every one at --sequences per optimizer step (default 64):
                                     GPUs' copy engines; default auto, the copy engines where GPUs are peers)
     ... accum=gemm|autograd         pf/big rows: PIPEFLOW_GRAD_ACCUM for the row and its profile (weight gradients
                                     added into .grad by autograd, the default, as in plain PyTorch, or by the GEMM)
-    ... busy                        pf/big rows: profiled with pipeflow-profile --ranks-per-host N (the layers timed
-                                    while a companion runs the model on every other GPU, as the other ranks do)
+    ... busy                        pf/big rows: profiled with pipeflow-profile --ranks-per-host N (how much a
+                                    companion running the model on every other GPU slows the passes: contention)
     ... trace                       pf/big rows: pipeflow-train --trace, then per rank the ms per step in each
                                     kind of span (F, B, W, STEP, SEND, WAIT) and idle, from the trace
     ... idle|kernels|stage          pf/big/gb rows: profiled with pipeflow-profile --timing idle (each call from

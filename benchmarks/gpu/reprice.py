@@ -26,7 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from partitioner.calibrate import calibrate, with_costs  # noqa: E402
+from partitioner.calibrate import calibrate  # noqa: E402
 from partitioner.plan import Plan  # noqa: E402
 from partitioner.profile import Profile  # noqa: E402
 from partitioner.service import evaluate_plan  # noqa: E402
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             plan = Plan.load(str(a.folder / row["plan"]))
             idle, kernels = (Profile.load(str(a.folder / f"{kind}-{row['microbatch']}.json"))
                              for kind in ("idle", "kernels"))
-            cells = [cell(prof, plan, row["measured_ms"]) for prof in (idle, kernels, with_costs(kernels, cal))]
+            cells = [cell(prof, plan, row["measured_ms"]) for prof in (idle, kernels, kernels.with_costs(cal))]
             print(f"| {row['row']} | {row['measured_ms']:.1f} | " + " | ".join(cells) + " |")
         return 0
     found = {}
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in meta["rows"]:
         plan, prof = Plan.load(str(a.folder / row["plan"])), Profile.load(str(a.folder / row["profile"]))
         cells = [cell(prof, plan, row["measured_ms"])]
-        cells += [cell(with_costs(prof, costs), plan, row["measured_ms"]) for costs in found.values()]
+        cells += [cell(prof.with_costs(costs), plan, row["measured_ms"]) for costs in found.values()]
         print(f"| {row['row']} | {row['measured_ms']:.1f} | " + " | ".join(cells) + " |")
     memory(a.folder, meta)
     return 0

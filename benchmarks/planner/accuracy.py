@@ -73,9 +73,9 @@ def run(cmd: list[str], cwd: Path) -> str:
 
 
 def profile(model: str, args: dict[str, object], b: int, ranks: int, tmp: Path) -> None:
-    """profile.json from pipeflow-profile; with ranks > 1 (`--concurrent-profile`) timed beside ranks - 1 busy
-    companions (`--ranks-per-host`), as the plan's ranks compute at once: two ranks on two cores share the L3
-    and the memory bandwidth (README, "What remains")."""
+    """profile.json from pipeflow-profile; with ranks > 1 (`--concurrent-profile`) its `contention` too, measured
+    beside ranks - 1 busy companions (`--ranks-per-host`): two ranks on two cores share the L3 and the memory
+    bandwidth (README, "What remains")."""
     run([sys.executable, "-m", "partitioner.profiler", "--model", model, "--model-args", json.dumps(args),
          "--microbatch-size", str(b), "--device", "cpu", "--threads", "1", "--repeats", "10", "--timing", TIMING,
          "--ranks-per-host", str(ranks), "-o", "profile.json"], tmp)
@@ -198,8 +198,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--runs", type=int, default=3, help="training runs per case; the fastest counts (default 3)")
     p.add_argument("--concurrent-profile", action="store_true",
-                   help="profile beside as many busy processes as the case has other ranks (pipeflow-profile "
-                        "--ranks-per-host: the conditions of training)")
+                   help="profile with pipeflow-profile --ranks-per-host (the case's ranks): the contention of "
+                        "ranks computing at once, applied as far as the plan's ranks do")
     p.add_argument("--global-batch", type=int, default=None, metavar="G",
                    help="instead of the cases: the gpt case at G samples per step, every microbatch size of "
                         "--sizes measured, and the one pipeflow-plan --global-batch picks")
