@@ -239,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     total_b = sum(layer.backward_ms for layer in prof.layers)
     print(f"profiled {len(prof.layers)} layers of {prof.model} on {prof.device} ({prof.dtype}, microbatch "
           f"{prof.microbatch_size}, {threads or torch.get_num_threads()} torch thread(s)"
-          + (f", beside {args.ranks_per_host - 1} busy companion(s)" if args.ranks_per_host > 1 else "")
+          + (f"; contention {prof.contention:.3f} (a pass beside {args.ranks_per_host - 1} busy companion(s) over "
+             "one alone)" if prof.contention else "")
           + f"): forward {total_f:.3f} "
           f"ms, backward {total_b:.3f} ms, loss {prof.loss_ms or 0:.3f} ms"
           + (f", GPU to GPU {prof.link_bandwidth / 1e9:.1f} GB/s" if prof.link_bandwidth else "")
