@@ -110,7 +110,7 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
                                "per rank (interleaved): trace a plan without --virtual-stages")
         lay = layer_costs(replace(prof, compute_factor=None), pl.schedule, optimizer)  # as profiled
         busy = contention_scale(lay, evaluate_plan(replace(prof, compute_factor=None, contention=None), pl,
-                                                   optimizer=optimizer).sim, pl.workers)  # as the planner scales them
+                                                   optimizer=optimizer).sim, pl.workers) if lay.contention > 1 else 1.0
         kind = schedule_kind(pl.schedule)
         L = len(lay)
         by_rank, sent = _spans(tr), len(sends)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,6 +127,21 @@ def layer_bytes(stats: dict[str, Any]) -> int:
     return 2 * stats["parameter_bytes"] + stats["activation_bytes"] + 2 * stats["output_bytes"]
 
 
+def windows(layers: list[dict[str, Any]], dev: torch.device) -> Iterator[tuple[int, int]]:
+    """[start, end) of consecutive layers (their profile_layer numbers) whose bytes fit in half the device's free
+    memory (on CPU a quarter of the machine's), in order; a layer larger than that is a window of its own."""
+    free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else machine_bytes(dev)[0] // 2
+    budget = free // 2
+    start = 0
+    while start < len(layers):
+        end, need = start + 1, layer_bytes(layers[start])
+        while end < len(layers) and need + layer_bytes(layers[end]) <= budget:
+            need += layer_bytes(layers[end])
+            end += 1
+        yield start, end
+        start = end
+
+
 def time_as_a_stage(spec: ModelSpec, layers: list[dict[str, Any]], x: Any, dev: torch.device,
                      dtype: torch.dtype | None, *, warmup: int, repeats: int, fuse: bool = False) -> list[float]:
     """--timing stage: replace each layer's forward and backward times in `layers` (profile_layer's numbers)
@@ -135,15 +150,8 @@ def time_as_a_stage(spec: ModelSpec, layers: list[dict[str, Any]], x: Any, dev: 
     from a drained chain). A layer's share of its backward's weight gradients (backward_weight_ms) is kept.
     `fuse`: nn.Linear layers accumulate inside their GEMM (sandbox_copy). Returns the passes' totals, for the
     repeat spread."""
-    free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else machine_bytes(dev)[0] // 2
-    budget = free // 2
     passes: list[float] = []
-    start = 0
-    while start < len(layers):
-        end, need = start + 1, layer_bytes(layers[start])
-        while end < len(layers) and need + layer_bytes(layers[end]) <= budget:
-            need += layer_bytes(layers[end])
-            end += 1
+    for start, end in windows(layers, dev):
         works = [sandbox_copy(layer, dev, dtype, fuse=fuse) for layer in spec.layers[start:end]]
         times = time_chain(works, x, dev, warmup=warmup, repeats=repeats)
         del works
@@ -157,5 +165,4 @@ def time_as_a_stage(spec: ModelSpec, layers: list[dict[str, Any]], x: Any, dev: 
             stats["backward_accumulate_ms"] = statistics.median(a)
             if share is not None:
                 stats["backward_weight_ms"] = share * stats["backward_ms"]
-        start = end
     return passes

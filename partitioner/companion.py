@@ -25,6 +25,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
+import torch
+
+from partitioner.chain import time_chain, windows
+from partitioner.layermem import sandbox_copy
+from partitioner.measure import as_a_rank, cast_floats_to, free_cached, map_tensors, prepare_input, tensors
+from pipeflow.data.loader import MicrobatchLoader
+from pipeflow.spec import ModelSpec, build_model, model_dtype
+from pipeflow.split import gemm_accumulation
+
 READY = "ready"
 READY_TIMEOUT_S = 600.0  # the first pass of a large model on a CPU
 STOP_TIMEOUT_S = 30.0
@@ -106,18 +115,30 @@ def companions(config: dict[str, Any], devices: list[str], warnings: list[str] |
         for err in errs:
             err.close()
 
+def contention(spec: ModelSpec, layers: list[dict[str, Any]], x: Any, dev: torch.device, dtype: torch.dtype | None, *,
+               warmup: int, repeats: int, fuse: bool, config: dict[str, Any], devices: list[str],
+               warnings: list[str] | None) -> float:
+    """A forward and backward pass over the model's first layers (those whose bytes, `layers`' stats, fit in half
+    the device's free memory) beside the companions on `devices`, over the same pass alone: the median pass of
+    `repeats`, alone before and after (a machine's drift between them cancels)."""
+    _, count = next(windows(layers, dev))
+    works = [sandbox_copy(layer, dev, dtype, fuse=fuse) for layer in spec.layers[:count]]
+
+    def passes() -> list[float]:
+        return time_chain(works, x, dev, warmup=warmup, repeats=repeats).passes
+
+    alone = passes()
+    with companions(config, devices, warnings):
+        beside = passes()
+    alone += passes()
+    works.clear()
+    free_cached(dev)
+    return statistics.median(beside) / statistics.median(alone)
+
 
 def _work(config: dict[str, Any], stop: threading.Event) -> None:
     """Forward, loss and backward of the model (or of as many of its first layers as fit), pass after pass,
     gradients accumulating over two passes as over a step's microbatches, until `stop`."""
-    import torch
-
-    from partitioner.layermem import sandbox_copy
-    from partitioner.measure import as_a_rank, cast_floats_to, map_tensors, prepare_input, tensors
-    from pipeflow.data.loader import MicrobatchLoader
-    from pipeflow.spec import build_model, model_dtype
-    from pipeflow.split import gemm_accumulation
-
     dev = torch.device(config["device"])
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -179,32 +200,3 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def contention(spec: Any, layers: list[dict[str, Any]], x: Any, dev: Any, dtype: Any, *, warmup: int, repeats: int,
-               fuse: bool, config: dict[str, Any], devices: list[str], warnings: list[str] | None) -> float:
-    """A forward and backward pass over the model's first layers (those whose bytes, `layers`' stats, fit in half
-    the device's free memory) beside the companions on `devices`, over the same pass alone: the median pass of
-    `repeats`, alone before and after (a machine's drift between them cancels)."""
-    import torch
-
-    from partitioner.chain import layer_bytes, time_chain
-    from partitioner.layermem import sandbox_copy
-    from partitioner.measure import free_cached, machine_bytes
-
-    budget = (torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else machine_bytes(dev)[0] // 2) // 2
-    count, need = 1, layer_bytes(layers[0])
-    while count < len(layers) and need + layer_bytes(layers[count]) <= budget:
-        need += layer_bytes(layers[count])
-        count += 1
-    works = [sandbox_copy(layer, dev, dtype, fuse=fuse) for layer in spec.layers[:count]]
-
-    def passes() -> list[float]:
-        return time_chain(works, x, dev, warmup=warmup, repeats=repeats).passes
-
-    alone = passes()
-    with companions(config, devices, warnings):
-        beside = passes()
-    alone += passes()
-    works.clear()
-    free_cached(dev)
-    return statistics.median(beside) / statistics.median(alone)

@@ -79,14 +79,14 @@ def price(lay: LayerCosts, topology: Topology, schedule: str, microbatches: int,
     the forwards before the first backward per stage, None for the schedule's minimum."""
     # Stage k on the ranks of stage k mod S (chunks placed round-robin, partitioner/plan.py): v = stages / S.
     groups = next((k for k in range(1, len(ranks)) if list(ranks[k]) == list(ranks[0])), len(ranks))
-    kind = schedule_kind(schedule)
+    kind, reps = schedule_kind(schedule), [len(r) for r in ranks[:groups]]  # a rank group's replicas
 
     def run(scale: float) -> tuple[list[StageCost], SimResult]:
         costs = stage_costs(lay, topology, ranges, ranks, scale=scale)
         for s, cost in enumerate(costs[:groups]):  # the runtime's own time per update (a rank's chunks together)
             # and the weight copies an update makes the asynchronous schedules keep (ScheduleKind.copies_per_update)
             cost.optimizer_ms += lay.update_ms + lay.copy_ms_per_byte * cost.parameter_bytes * kind.copies_per_update(
-                [len(r) for r in ranks[:groups]], s)
+                reps, s)
         sim = simulate(schedule, costs, [len(r) for r in ranks], microbatches, optimizer=optimizer,
                        keep_timeline=keep_timeline, ranks=ranks, topology=topology,
                        virtual_stages=len(ranks) // groups, warmup=warmup)
@@ -94,7 +94,7 @@ def price(lay: LayerCosts, topology: Topology, schedule: str, microbatches: int,
         return costs, sim
 
     costs, sim = run(1.0)
-    scale = contention_scale(lay, sim, sum(len(r) for r in ranks[:groups]))
+    scale = contention_scale(lay, sim, sum(reps))
     return run(scale) if scale > 1.0 else (costs, sim)
 
 

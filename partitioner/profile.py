@@ -235,13 +235,8 @@ class Profile:
             d["link_bandwidth"] = self.link_bandwidth
         if self.timing is not None:
             d["timing"] = self.timing
-        if self.ranks_per_host is not None:
-            d["ranks_per_host"] = self.ranks_per_host
-        if self.copy_ms_per_byte is not None:
-            d["copy_ms_per_byte"] = self.copy_ms_per_byte
-        if self.contention is not None:
-            d["contention"] = self.contention
-        d.update({k: getattr(self, k) for k in (*RUNTIME_NUMBERS, "compute_factor") if getattr(self, k) is not None})
+        d.update({k: getattr(self, k) for k in (*RUNTIME_NUMBERS, "compute_factor", "ranks_per_host",
+                                                "copy_ms_per_byte", "contention") if getattr(self, k) is not None})
         return d
 
     def save(self, path: str | Path) -> None:
