@@ -77,3 +77,28 @@ def test_1f1b_runs_the_plans_warm_up_and_equals_single_process(mpi: MpiRun):
                            lr=0.05)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-11)
+
+
+FINE = {**MODELS["gpt"], "granularity": "fine"}  # 10 layers: embedding, 2 x (AttentionCore, Projection, Expand,
+# Contract), head
+
+
+def fine_cuts(d: Path) -> Case:
+    """gpt's fine layers cut where a boundary carries two tensors (the residual and the branch): after
+    AttentionCore (stage 0 -> 1 and 2 -> 3) and after Expand, whose branch is four times the width."""
+    plan = {"format": "pipeflow.plan/1", "schedule": "1f1b", "microbatches": M, "workers": 4,
+            "stages": [{"layers": list(r), "replicas": 1, "ranks": [k]}
+                       for k, r in enumerate([(0, 2), (2, 4), (4, 6), (6, 10)])]}
+    (d / "plan.json").write_text(json.dumps(plan))
+    return Case(4, ["--model", "gpt", "--model-args", json.dumps(FINE), "--plan", str(d / "plan.json"),
+                    "--steps", str(STEPS), "--microbatch-size", str(B), "--optimizer", "sgd", "--lr", "0.05",
+                    "--dtype", "float64", "--device", "cpu", "--save", str(d / "model.pt")])
+
+
+@batched(fine_cuts)
+def test_1f1b_cut_inside_a_sublayer_equals_single_process(mpi: MpiRun):
+    got = torch.load(mpi.dir / "model.pt", weights_only=True)
+    want = reference_flush("gpt", FINE, steps=STEPS, microbatches=M, microbatch_size=B, optimizer="sgd", lr=0.05)
+    assert list(got) == list(want) and "4.out.weight" in want  # layer 4 is the first block's Contract
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-11)

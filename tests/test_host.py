@@ -254,23 +254,27 @@ def test_point_to_point_goes_through_batched_ops_only(monkeypatch):
                        [(comm.dist.irecv, (2,), 1), (comm.dist.irecv, (3, 1), 1)]]
 
 
-def test_gpt_sublayers_build_the_same_weights_and_outputs_as_blocks():
-    """granularity "sublayer": each block as Attention then MLP (residual inside each): the same parameters in
-    the same order, and the same logits, so a plan may cut inside a block without changing the model."""
+@pytest.mark.parametrize("granularity,kinds", [("sublayer", ["Attention", "MLP"]),
+                                                ("fine", ["AttentionCore", "Projection", "Expand", "Contract"])])
+def test_gpt_finer_layers_build_the_same_weights_and_outputs_as_blocks(granularity, kinds):
+    """granularity "sublayer" (each block as Attention then MLP) and "fine" (four layers, two of whose outputs are
+    the residual and the branch): the same parameters in the same order, and the same logits, so a plan may cut
+    inside a block without changing the model."""
     from pipeflow.spec import build_model
 
     args = {"layers": 3, "d_model": 16, "heads": 2, "seq_len": 8, "vocab": 256}
     block = build_model("gpt", args, seed=5)
-    sub = build_model("gpt", {**args, "granularity": "sublayer"}, seed=5)
-    assert len(block.layers) == 5 and len(sub.layers) == 8
-    assert [type(m).__name__ for m in sub.layers[1:7]] == ["Attention", "MLP"] * 3
-    for a, b in zip([p for m in block.layers for p in m.parameters()], [p for m in sub.layers for p in m.parameters()]):
+    sub = build_model("gpt", {**args, "granularity": granularity}, seed=5)
+    assert len(block.layers) == 5 and len(sub.layers) == 3 * len(kinds) + 2
+    assert [type(m).__name__ for m in sub.layers[1:-1]] == kinds * 3
+    for a, b in zip([p for m in block.layers for p in m.parameters()], [p for m in sub.layers for p in m.parameters()],
+                    strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     x = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
     ya, yb = torch.nn.Sequential(*block.layers)(x), torch.nn.Sequential(*sub.layers)(x)
     torch.testing.assert_close(ya, yb, rtol=0, atol=0)
     assert block.flops_per_sample == sub.flops_per_sample
-    with pytest.raises(Exception, match="granularity must be 'block' or 'sublayer', found 'head'"):
+    with pytest.raises(Exception, match="granularity must be one of 'block', 'sublayer', 'fine', found 'head'"):
         build_model("gpt", {**args, "granularity": "head"})
 
 

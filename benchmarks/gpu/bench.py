@@ -14,7 +14,8 @@ Rows (';'-separated), every one at --sequences per optimizer step (default 64):
                                     profile made in this call) or "spot" (planned on the spot by pipeflow-train)
     big SCHEDULE MB M SPLIT         the same with the large model (--big-args), the one DDP cannot run
     ... SPLIT sub                   pf/big rows: the GPT with granularity "sublayer" (attention and MLP as
-                                    separate layers, so the plan may cut inside a block)
+                                    separate layers, so the plan may cut inside a block); `fine`: granularity
+                                    "fine" (four layers a block, cut at its linear layers)
     ... plan mem=GIB                pf/big/gb rows: pipeflow-plan under --memory-per-worker GIB GiB (e.g. torch's
                                     peak, for "as fast at no more memory") instead of 90% of the card's memory
     ... p2p=nccl|ce|auto            pf/big rows: PIPEFLOW_P2P for the row (how stages send: NCCL kernels or the
@@ -34,7 +35,7 @@ Rows (';'-separated), every one at --sequences per optimizer step (default 64):
                                     is priced again with them ("calibrated ms"; this row's own is circular);
                                     a second cal row is read with the first (e.g. at another microbatch size:
                                     then a compute factor is told from the cost per action)
-    gb SCHEDULE SIZES [sub] [idle|kernels|stage] [mem=GIB]
+    gb SCHEDULE SIZES [sub|fine] [idle|kernels|stage] [mem=GIB]
                                     pipeflow-plan --global-batch (the sequences): profiled at microbatch sizes
                                     SIZES (2,4,8), the planner picks b, m and the split; pipeflow-train runs it
 Each row prints `RESULT ...` with tokens/s, peak GiB per rank, MFU per GPU and, where a plan gives it, the
@@ -73,6 +74,13 @@ TIMED = ("idle", "kernels", "stage")  # a pf/big/gb row's word for pipeflow-prof
 
 def _timing(words: list[str]) -> str:
     return next((w for w in words if w in TIMED), "default")
+
+
+GRAINS = {"sub": "sublayer", "fine": "fine"}  # a pf/big/gb row's word for the GPT's granularity (else "block")
+
+
+def _grain(words: list[str]) -> str | None:
+    return next((w for w in words if w in GRAINS), None)
 
 
 DEFAULT_ROWS = ("single 8; ddp 8; torch 1F1B 8; torch 1F1B 4; torch 1F1B 2; torch Interleaved1F1B 2; "
@@ -304,7 +312,7 @@ class Bench:
                                   st["replicas"] > 1 else "") for st in plan["stages"]) + (
             ", gemm accumulation (the plan's)" if plan.get("accumulation") == "gemm" else "")
 
-    def pf(self, schedule: str, mb: int, m: int, split: str, big: bool = False, sub: bool = False,
+    def pf(self, schedule: str, mb: int, m: int, split: str, big: bool = False, grain: str | None = None,
            mem_gib: float | None = None, sizes: str | None = None, trace: bool = False, cal: bool = False,
            timing: str = "default", warmup: str | None = None, straight: bool = False,
            p2p: str | None = None, accum: str | None = None, busy: bool = False) -> None:
@@ -312,19 +320,20 @@ class Bench:
         pipeflow-plan --global-batch picks b, m and the split; mb and m are then what it picked."""
         cfg = self.big if big else self.gpt
         trace = trace or cal
-        if sub:
-            cfg = {**cfg, "granularity": "sublayer"}
+        if grain:
+            cfg = {**cfg, "granularity": GRAINS[grain]}
         shape = f"gb{sizes.replace(',', '_')}" if sizes else f"{mb}x{m}"
-        tag = (f"{'big-' if big else ''}{'sub-' if sub else ''}{schedule}-{shape}-{split.replace(',', '_')}"
+        tag = (f"{'big-' if big else ''}{grain + '-' if grain else ''}{schedule}-{shape}-{split.replace(',', '_')}"
                + (f"-mem{mem_gib:g}" if mem_gib is not None else "") + (f"-{timing}" if timing != "default" else "")
                + (f"-warmup{warmup.replace(',', '_')}" if warmup else "") + ("-straight" if straight else "")
                + (f"-{p2p}" if p2p else "") + (f"-accum{accum}" if accum else "") + ("-busy" if busy else "")
                + ("-trace" if trace else ""))
-        name = f"pipeflow {schedule}" + (" (large model)" if big else "") + (", sublayers" if sub else "")
+        name = (f"pipeflow {schedule}" + (" (large model)" if big else "")
+                + (f", {GRAINS[grain]} layers" if grain else ""))
         flags = ["--schedule", schedule] + (["--warmup", warmup] if warmup else [])
         predicted, calibrated, shown, path, prof = None, None, split, None, None
         if split != "spot":
-            kind = ("big" if big else "gpt") + ("-sub" if sub else "")
+            kind = ("big" if big else "gpt") + (f"-{grain}" if grain else "")
             prof = self.profile(cfg, mb, kind, sizes=sizes, timing=timing, accum=accum, busy=busy)
             path, shown = (self.plan(prof, schedule, m, split, tag, mem_gib=mem_gib, global_batch=sizes is not None,
                                      warmup=warmup, straight=straight)
@@ -450,27 +459,30 @@ class Bench:
                     warm = [x[7:] for x in extra if x.startswith("warmup=")]
                     p2p = [x[4:] for x in extra if x.startswith("p2p=")]
                     accum = [x[6:] for x in extra if x.startswith("accum=")]
-                    bad = [x for x in extra if x not in ("sub", "trace", "cal", "straight", "busy", *TIMED)
+                    bad = [x for x in extra if x not in (*GRAINS, "trace", "cal", "straight", "busy", *TIMED)
                            and not x.startswith(("mem=", "warmup=")) and x not in P2P_WORDS + ACCUM_WORDS]
                     if (bad or ((mem or "straight" in extra) and w[4] != "plan")
                             or (w[4] == "spot" and {"cal", "busy", *TIMED} & set(extra))
-                            or len(set(TIMED) & set(extra)) > 1 or len(warm) > 1 or len(p2p) > 1 or len(accum) > 1):
-                        raise ValueError(f"after the split a {w[0]} row takes 'sub', 'trace', 'cal', 'busy', one of "
+                            or len(set(TIMED) & set(extra)) > 1 or len(set(GRAINS) & set(extra)) > 1
+                            or len(warm) > 1 or len(p2p) > 1 or len(accum) > 1):
+                        raise ValueError(f"after the split a {w[0]} row takes 'sub' or 'fine', 'trace', 'cal', "
+                                         f"'busy', one of "
                                          f"{', '.join(TIMED)} (not with 'spot'), 'warmup=W', one of "
                                          f"{', '.join(P2P_WORDS)}, one of {', '.join(ACCUM_WORDS)} and, with "
                                          f"'plan', 'mem=GIB' and 'straight'; found {' '.join(extra)!r}")
-                    self.pf(w[1], int(w[2]), int(w[3]), w[4], big=w[0] == "big", sub="sub" in extra,
+                    self.pf(w[1], int(w[2]), int(w[3]), w[4], big=w[0] == "big", grain=_grain(extra),
                             mem_gib=mem[0] if mem else None, trace="trace" in extra, cal="cal" in extra,
                             timing=_timing(extra), warmup=warm[0] if warm else None, straight="straight" in extra,
                             p2p=p2p[0] if p2p else None, accum=accum[0] if accum else None, busy="busy" in extra)
                 elif w[0] == "gb":
                     extra = w[3:]
                     mem = [float(x[4:]) for x in extra if x.startswith("mem=")]
-                    if (len(w) < 3 or [x for x in extra if x not in ("sub", *TIMED) and not x.startswith("mem=")]
-                            or len(set(TIMED) & set(extra)) > 1):
-                        raise ValueError("a gb row is 'gb SCHEDULE SIZES [sub] [idle|kernels|stage] [mem=GIB]', e.g. "
+                    if (len(w) < 3 or [x for x in extra if x not in (*GRAINS, *TIMED) and not x.startswith("mem=")]
+                            or len(set(TIMED) & set(extra)) > 1 or len(set(GRAINS) & set(extra)) > 1):
+                        raise ValueError("a gb row is 'gb SCHEDULE SIZES [sub|fine] [idle|kernels|stage] [mem=GIB]', "
+                                         "e.g. "
                                          "'gb 1f1b 2,4,8'")
-                    self.pf(w[1], 0, 0, "plan", sub="sub" in extra, sizes=w[2], mem_gib=mem[0] if mem else None,
+                    self.pf(w[1], 0, 0, "plan", grain=_grain(extra), sizes=w[2], mem_gib=mem[0] if mem else None,
                             timing=_timing(extra))
                 else:
                     raise ValueError(f"unknown row kind {w[0]!r}")

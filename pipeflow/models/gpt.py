@@ -76,16 +76,76 @@ class MLP(nn.Module):
 
 def attend(m: Block | Attention, x: torch.Tensor) -> torch.Tensor:
     """x + causal self-attention(ln1(x)) with `m`'s weights: the first half of a Block, or an Attention layer."""
+    return x + m.drop(m.proj(attention_core(m, x)))
+
+
+def attention_core(m: Block | Attention | AttentionCore, x: torch.Tensor) -> torch.Tensor:
+    """Causal self-attention of ln1(x) with `m`'s weights, its heads joined again, before the projection."""
     b, t, d = x.shape
     q, k, v = m.qkv(m.ln1(x)).split(d, dim=2)
     q, k, v = (z.view(b, t, m.heads, d // m.heads).transpose(1, 2) for z in (q, k, v))
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=m.dropout if m.training else 0.0)
-    return x + m.drop(m.proj(y.transpose(1, 2).reshape(b, t, d)))
+    return y.transpose(1, 2).reshape(b, t, d)
 
 
 def feed_forward(m: Block | MLP, x: torch.Tensor) -> torch.Tensor:
     """x + mlp(ln2(x)) with `m`'s weights: the second half of a Block, or an MLP layer."""
     return x + m.drop(m.out(F.gelu(m.fc(m.ln2(x)))))
+
+
+class AttentionCore(nn.Module):
+    """Granularity "fine", the first of a block's four layers: x -> (x, attention of ln1(x) before the
+    projection). The fine layers keep Block's parameter names and initialisation order (ln1, qkv | proj | ln2,
+    fc | out), so every granularity builds the same weights and computes the same outputs."""
+
+    def __init__(self, d_model: int, heads: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        if d_model % heads:
+            raise ValueError(f"d_model {d_model} must be divisible by heads {heads}")
+        self.heads, self.dropout = heads, dropout
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, attention_core(self, x)
+
+
+class Projection(nn.Module):
+    """(x, y) -> x + proj(y): attention's projection and residual."""
+
+    def __init__(self, d_model: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(dropout)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, xy: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = xy
+        return x + self.drop(self.proj(y))
+
+
+class Expand(nn.Module):
+    """x -> (x, gelu(fc(ln2(x)))): the MLP's first linear layer, its output four times the model's width."""
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, 4 * d_model)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, F.gelu(self.fc(self.ln2(x)))
+
+
+class Contract(nn.Module):
+    """(x, h) -> x + out(h): the MLP's second linear layer and residual."""
+
+    def __init__(self, d_model: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(dropout)
+        self.out = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, xh: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, h = xh
+        return x + self.drop(self.out(h))
 
 
 class Head(nn.Module):
@@ -110,6 +170,9 @@ def flops_per_sequence(matmul_params: int, layers: int, d_model: int, seq_len: i
     return 6.0 * matmul_params * seq_len + 12.0 * layers * d_model * seq_len ** 2
 
 
+GRANULARITIES = ("block", "sublayer", "fine")
+
+
 def build(layers: int = 4, d_model: int = 128, heads: int = 4, seq_len: int = 64, vocab: int = 256,
           dataset: str = "stdlib", dataset_size: int = 4096, dropout: float = 0.0, tie: bool = False,
           granularity: str = "block") -> ModelSpec:
@@ -117,12 +180,15 @@ def build(layers: int = 4, d_model: int = 128, heads: int = 4, seq_len: int = 64
     (tokens < 256 <= vocab); `dataset="synthetic"` draws random tokens below `vocab`. `dropout` (nanoGPT's
     places) draws per (seed, microbatch, layer) under pipeflow-train (docs/reproducibility.md). `tie`: the
     head's weight is the token embedding's (GPT-2, Press & Wolf 2017), one Parameter held by the first and last
-    layer. `granularity="sublayer"` gives each block as two layers, Attention then MLP (2 * layers + 2 layers,
-    the same weights and outputs), so that a planner can cut between them."""
+    layer. `granularity="sublayer"` gives each block as two layers, Attention then MLP (2 * layers + 2 layers),
+    `"fine"` as four, AttentionCore, Projection, Expand, Contract (4 * layers + 2; the boundaries inside a
+    sublayer carry two tensors, the residual and the branch): the same weights and outputs (dropout draws per
+    layer, so with dropout the masks differ), so that a planner can cut inside a block."""
     if layers < 1:
         raise ValueError(f"gpt needs layers >= 1, found {layers}")
-    if granularity not in ("block", "sublayer"):
-        raise ValueError(f"gpt granularity must be 'block' or 'sublayer', found {granularity!r}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"gpt granularity must be one of {', '.join(map(repr, GRANULARITIES))}, "
+                         f"found {granularity!r}")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"gpt needs 0 <= dropout < 1, found {dropout}")
     if dataset == "stdlib":
@@ -136,8 +202,13 @@ def build(layers: int = 4, d_model: int = 128, heads: int = 4, seq_len: int = 64
     embed = Embedding(vocab, d_model, seq_len, dropout)
     mods: list[nn.Module] = [embed]
     for _ in range(layers):
-        mods += ([Block(d_model, heads, dropout)] if granularity == "block"
-                 else [Attention(d_model, heads, dropout), MLP(d_model, dropout)])
+        if granularity == "block":
+            mods.append(Block(d_model, heads, dropout))
+        elif granularity == "sublayer":
+            mods += [Attention(d_model, heads, dropout), MLP(d_model, dropout)]
+        else:
+            mods += [AttentionCore(d_model, heads, dropout), Projection(d_model, dropout), Expand(d_model),
+                     Contract(d_model, dropout)]
     head = Head(d_model, vocab)
     if tie:
         head.lm.weight = embed.tok.weight
