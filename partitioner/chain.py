@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,9 +50,15 @@ class ChainTimes:
     accumulate: list[list[float]]  # passes whose backward accumulated into existing gradients
     passes: list[float]  # the total of each pass that did not accumulate (the spread between repeats)
     output: Any  # the chain's output, detached: the next window's input
+    loss: list[float]  # with a loss: its forward and backward in each kept pass
 
 
-def time_chain(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: int, repeats: int) -> ChainTimes:
+# The model's loss function and a target: a chain that ends the model ends with them, as the last stage does.
+Loss = tuple[Callable[[Any, Any], torch.Tensor], Any]
+
+
+def time_chain(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: int, repeats: int,
+               loss: Loss | None = None) -> ChainTimes:
     """Each layer's ms timed as a stage runs its layers (pipeflow-profile --timing stage): the forward of
     the whole chain, then one backward through it, pass after pass, nothing waiting between layers or passes
     (Marks, read once at the end; in the backward, a hook on each layer's outputs marks when their gradient
@@ -64,11 +70,14 @@ def time_chain(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: i
 
     Passes alternate between a backward into no gradients and one accumulating into them (every microbatch
     of a flushed step but the first); `warmup` passes first are not kept. A layer whose outputs get no
-    gradient (a later layer cuts the chain) has no backward: 0."""
+    gradient (a later layer cuts the chain) has no backward: 0. With `loss` the backward starts from the loss
+    of the chain's output, as on the last stage, and the loss is timed there too: its forward after the last
+    layer's, its backward until the last layer's outputs have their gradient (issue 15: timed alone, from its
+    own output, the loss of GPT's last stage took 0.2-0.9 ms a microbatch more than inside the stage)."""
     n = len(layers)
     clock = Marks(device)
     x = map_tensors(x, lambda t: t.to(device))  # once: a copy from the host inside a pass would wait for it
-    recorded: list[tuple[bool, list[Any], list[Any], dict[int, Any]]] = []
+    recorded: list[tuple[bool, list[Any], list[Any], dict[int, Any], Any]] = []
     gs: list[torch.Tensor] | None = None
     h: Any = None
     for it in range(warmup + 2 * repeats):
@@ -89,24 +98,34 @@ def time_chain(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: i
                 if t.requires_grad:
                     t.register_hook(lambda _g, k=k, at=at: at.__setitem__(k, clock.stamp()))
         ys = [t for t in tensors(h) if t.requires_grad]
-        if gs is None:
+        value, loss_mark = None, None
+        if loss is not None:
+            value = loss[0](h, loss[1])
+            loss_mark = clock.stamp()
+            for t in ys:  # the loss's backward ends when the last layer's outputs have their gradient
+                t.register_hook(lambda _g, at=at: at.__setitem__(n - 1, clock.stamp()))
+        elif gs is None:
             gs = [torch.randn_like(t) for t in ys]  # what the next stage would send
         ends = [clock.stamp()]
         if ys:
-            torch.autograd.backward(ys, gs)
+            torch.autograd.backward([value] if value is not None else ys, None if value is not None else gs)
         ends.append(clock.stamp())
-        del outs
+        del outs, value
         if it >= warmup:
-            recorded.append((accumulate, fwd_marks, ends, at))
+            recorded.append((accumulate, fwd_marks, ends, at, loss_mark))
     fwd: list[list[float]] = [[] for _ in range(n)]
     bwd: list[list[float]] = [[] for _ in range(n)]
     acc: list[list[float]] = [[] for _ in range(n)]
     passes: list[float] = []
-    for accumulate, fwd_marks, (start, end), at in recorded:
+    losses: list[float] = []
+    for accumulate, fwd_marks, (start, end), at, loss_mark in recorded:
+        if loss_mark is not None:
+            back = clock.ms(start, at[n - 1]) if n - 1 in at else 0.0
+            losses.append(clock.ms(fwd_marks[n], loss_mark) + max(0.0, back))
         total = 0.0
         for k in range(n):
             f = clock.ms(fwd_marks[k], fwd_marks[k + 1])
-            begin = start if k == n - 1 else at.get(k)
+            begin = start if k == n - 1 and (loss_mark is None or k not in at) else at.get(k)
             finish = at.get(k - 1, end) if k > 0 else end
             # A tensor passed through several layers (a skip connection carried in a tuple) completes its
             # gradient once, for all of them: their marks may coincide or cross; none takes negative time.
@@ -118,7 +137,7 @@ def time_chain(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: i
             passes.append(total)
     for layer in layers:
         layer.zero_grad(set_to_none=True)
-    return ChainTimes(fwd, bwd, acc, passes, map_tensors(h, lambda t: t.detach()))
+    return ChainTimes(fwd, bwd, acc, passes, map_tensors(h, lambda t: t.detach()), losses)
 
 
 def layer_bytes(stats: dict[str, Any]) -> int:
@@ -143,21 +162,28 @@ def windows(layers: list[dict[str, Any]], dev: torch.device) -> Iterator[tuple[i
 
 
 def time_as_a_stage(spec: ModelSpec, layers: list[dict[str, Any]], x: Any, dev: torch.device,
-                     dtype: torch.dtype | None, *, warmup: int, repeats: int, fuse: bool = False) -> list[float]:
+                     dtype: torch.dtype | None, *, warmup: int, repeats: int, fuse: bool = False,
+                     target: Any = None) -> tuple[list[float], float | None]:
     """--timing stage: replace each layer's forward and backward times in `layers` (profile_layer's numbers)
     with time_chain's, run over windows of consecutive layers whose bytes fit in half the free memory
     (a model too large for the device is timed a window at a time; the first layer of a window starts
     from a drained chain). A layer's share of its backward's weight gradients (backward_weight_ms) is kept.
-    `fuse`: nn.Linear layers accumulate inside their GEMM (sandbox_copy). Returns the passes' totals, for the
-    repeat spread."""
+    `fuse`: nn.Linear layers accumulate inside their GEMM (sandbox_copy). With `target` the last window ends
+    with the model's loss on it. Returns the passes' totals, for the repeat spread, and the loss's median ms
+    (None without `target`)."""
     passes: list[float] = []
+    loss_ms = None
     for start, end in windows(layers, dev):
         works = [sandbox_copy(layer, dev, dtype, fuse=fuse) for layer in spec.layers[start:end]]
-        times = time_chain(works, x, dev, warmup=warmup, repeats=repeats)
+        ends_model = target is not None and end == len(layers)
+        times = time_chain(works, x, dev, warmup=warmup, repeats=repeats,
+                           loss=(spec.loss_fn, target) if ends_model else None)
         del works
         free_cached(dev)
         x = times.output
         passes = [a + b for a, b in zip(passes, times.passes)] if passes else times.passes
+        if times.loss:
+            loss_ms = statistics.median(times.loss)
         for stats, f, b, a in zip(layers[start:end], times.forward, times.backward, times.accumulate):
             share = stats["backward_weight_ms"] / stats["backward_ms"] if stats.get("backward_weight_ms") else None
             stats["forward_ms"] = statistics.median(f)
@@ -165,4 +191,4 @@ def time_as_a_stage(spec: ModelSpec, layers: list[dict[str, Any]], x: Any, dev: 
             stats["backward_accumulate_ms"] = statistics.median(a)
             if share is not None:
                 stats["backward_weight_ms"] = share * stats["backward_ms"]
-    return passes
+    return passes, loss_ms

@@ -180,3 +180,45 @@ def test_a_skip_connection_carried_through_layers_times_every_layer() -> None:
     prof = profiler.profile_model(spec, 2, warmup=1, repeats=1, optimizer=None, timing="stage")
     assert len(prof.layers) == 4 and all(lay.backward_ms >= 0.0 for lay in prof.layers)
     assert 2.0 <= prof.layers[3].backward_ms < 2.0 + SLACK_MS
+
+
+class _SlowLoss(torch.autograd.Function):
+    """Sums its input; its backward sleeps `backward_ms` before passing the gradient to the last layer."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, backward_ms: float) -> torch.Tensor:
+        ctx.backward_ms, ctx.shape = backward_ms, x.shape
+        return x.sum()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.backward_ms / 1e3)
+        return g.expand(ctx.shape), None
+
+
+def slow_loss(forward_ms: float, backward_ms: float) -> Any:
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        time.sleep(forward_ms / 1e3)
+        return _SlowLoss.apply(out, backward_ms)
+    return loss
+
+
+def test_a_chain_that_ends_the_model_times_its_loss_apart_from_the_last_layer() -> None:
+    layers = [SleepLayer(1.0, 2.0), SleepLayer(1.0, 4.0)]
+    times = time_chain(layers, torch.randn(2, 4), torch.device("cpu"), warmup=1, repeats=1,
+                       loss=(slow_loss(6.0, 12.0), torch.zeros(2)))
+    assert len(times.loss) == 2  # every kept pass, accumulating or not
+    assert all(18.0 <= t < 18.0 + SLACK_MS for t in times.loss)
+    # The last layer's backward starts when the loss's has given its outputs their gradient, not before.
+    assert 4.0 <= times.backward[1][0] < 4.0 + SLACK_MS and 4.0 <= times.accumulate[1][0] < 4.0 + SLACK_MS
+    assert time_chain(layers, torch.randn(2, 4), torch.device("cpu"), warmup=0, repeats=1).loss == []
+
+
+def test_stage_timing_prices_the_loss_inside_the_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--timing stage takes the loss's time from the last window's chain; idle keeps time_loss's (alone)."""
+    monkeypatch.setattr(profiler, "time_loss", lambda *a, **k: 999.0)
+    data = TensorDataset(torch.randn(16, 4), torch.zeros(16))
+    spec = ModelSpec([SleepLayer(1.0, 1.0), SleepLayer(1.0, 1.0)], slow_loss(5.0, 10.0), data, name="sleepy")
+    staged = profiler.profile_model(spec, 2, warmup=1, repeats=1, optimizer=None, timing="stage")
+    assert staged.loss_ms is not None and 15.0 <= staged.loss_ms < 15.0 + SLACK_MS
+    assert profiler.profile_model(spec, 2, warmup=1, repeats=1, optimizer=None, timing="idle").loss_ms == 999.0
