@@ -3,6 +3,7 @@
     pipeflow-plan profile.json --workers 32 --topology 8x300GB/s,4x25GB/s --memory-per-worker 16GiB \\
         --schedule 1f1b --microbatches auto -o plan.json --timeline plan.png
     pipeflow-plan profile.json --evaluate my_plan.json --topology 8x300GB/s,4x25GB/s -o priced.json
+    pipeflow-plan profile.json --layers-per-stage 14,12 --microbatches 16 -o split.json   # price a split by hand
     pipeflow-plan profile.json --workers 8 --schedule auto -o plan.json      # the fastest flush schedule
 
 The DP bounds every plan's step time from below; the simulator replays the schedule on the plans in order
@@ -14,11 +15,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from partitioner.accumulation import gemm_variant
+from partitioner.accumulation import gemm_variant, plan_accumulation
 from partitioner.auto import AUTO, candidates_table, plan_schedule
 from partitioner.batch import global_batch_table, plan_global_batch
 from partitioner.inputs import check_microbatches, resolve_topology
-from partitioner.plan import Plan, PlanError
+from partitioner.plan import Plan, PlanError, even_plan
 from partitioner.planner import OPTIMIZER_STATES, SCHEDULES, PlanningError
 from partitioner.profile import Profile, ProfileError
 from partitioner.service import Planned, evaluate_plan
@@ -90,6 +91,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES), default="adam")
     p.add_argument("--evaluate", metavar="PLAN", default=None,
                    help="price this plan.json instead of planning: write it to -o with 'predicted' filled")
+    p.add_argument("--layers-per-stage", metavar="COUNTS", default=None,
+                   help="price one straight plan instead of planning, as pipeflow-train --layers-per-stage runs "
+                        "it: layer counts per stage, e.g. 14,12 (a rank each; with interleaved, --virtual-stages "
+                        "chunks per rank, round-robin), or 'even' with --workers; needs --microbatches M")
     p.add_argument("-o", "--output", required=True, help="plan.json to write")
     p.add_argument("--timeline", default=None, help="draw the simulated schedule to this PNG")
     return p.parse_args(argv)
@@ -124,10 +129,48 @@ def _evaluate(args: argparse.Namespace, profile: Profile) -> Planned:
                          keep_timeline=args.timeline is not None)
 
 
+def _split(args: argparse.Namespace, profile: Profile) -> Planned:
+    """--layers-per-stage: the straight plan pipeflow-train --layers-per-stage runs, priced as the planner prices
+    its own (with gemm accumulation where the profile timed it and it is faster: plan.json's `accumulation`)."""
+    if args.global_batch is not None or args.memory_per_worker is not None or args.straight:
+        raise PlanError("--global-batch, --memory-per-worker and --straight shape a search; --layers-per-stage "
+                        "prices the split as given")
+    if args.schedule == AUTO:
+        raise PlanError("--schedule auto compares schedules; --layers-per-stage prices one: name it")
+    if args.microbatches in (None, "auto"):
+        raise PlanError("--layers-per-stage prices one plan: give --microbatches M")
+    m = _microbatches(args.microbatches)
+    assert isinstance(m, int)  # "auto" refused above
+    schedule = args.schedule or "1f1b"
+    v = args.virtual_stages if schedule_kind(schedule).chunk_order is not None else 1
+    counts, workers = None, args.workers
+    if args.layers_per_stage != "even":
+        try:
+            counts = [int(x) for x in args.layers_per_stage.split(",")]
+        except ValueError:
+            raise PlanError("--layers-per-stage must be comma-separated integers or 'even', found "
+                            f"{args.layers_per_stage!r}") from None
+        if len(counts) % v:
+            raise PlanError(f"--layers-per-stage gives {len(counts)} stages, not a multiple of --virtual-stages {v}")
+        if workers is not None and len(counts) != workers * v:
+            chunks = f" x --virtual-stages {v}" if v > 1 else ""
+            raise PlanError(f"--layers-per-stage gives {len(counts)} stages but --workers {workers}{chunks} makes "
+                            f"{workers * v}")
+        workers = len(counts) // v
+    elif workers is None:
+        raise PlanError("--layers-per-stage even needs --workers")
+    plan = even_plan(len(profile.layers), workers, schedule=schedule, microbatches=m, layer_counts=counts,
+                     virtual_stages=v)
+    return plan_accumulation(lambda prof: evaluate_plan(prof, plan, topology=args.topology, optimizer=args.optimizer,
+                                                        keep_timeline=args.timeline is not None), profile)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        if args.evaluate is None:
+        if args.evaluate is not None and args.layers_per_stage is not None:
+            raise PlanningError("give one of --evaluate PLAN and --layers-per-stage COUNTS")
+        if args.evaluate is None and args.layers_per_stage is None:
             if args.workers is None:
                 raise PlanningError("--workers is required (or --evaluate PLAN)")
             if args.global_batch is not None and args.microbatches is not None:
@@ -137,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         profile = Profile.load(args.profile)
         if args.evaluate is not None:
             planned = _evaluate(args, profile)
+        elif args.layers_per_stage is not None:
+            planned = _split(args, profile)
         else:
             common = dict(topology=args.topology, memory_per_worker=args.memory_per_worker, straight=args.straight,
                           optimizer=args.optimizer, keep_timeline=args.timeline is not None)

@@ -146,6 +146,62 @@ def test_evaluate_prices_a_hand_written_plan(tmp_path: Path, profile_path: Path,
                         "evaluate the plan as written")
 
 
+def test_layers_per_stage_prices_the_split_as_evaluate_does(tmp_path: Path, profile_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """--layers-per-stage builds the straight plan pipeflow-train --layers-per-stage runs and prices it as
+    --evaluate prices the same plan written by hand; 'even' with --workers splits as pipeflow-train does."""
+    d = {"format": "pipeflow.plan/1", "schedule": "1f1b", "microbatches": 8, "workers": 4,
+         "stages": [{"layers": [0, 3], "replicas": 1, "ranks": [0]}, {"layers": [3, 5], "replicas": 1, "ranks": [1]},
+                    {"layers": [5, 7], "replicas": 1, "ranks": [2]}, {"layers": [7, 8], "replicas": 1, "ranks": [3]}]}
+    hand = tmp_path / "hand.json"
+    hand.write_text(json.dumps(d))
+    topo = ["--topology", "2x300GB/s,2x25GB/s"]
+    assert main([str(profile_path), "--evaluate", str(hand), *topo, "-o", str(tmp_path / "a.json")]) == 0
+    table = capsys.readouterr().out.splitlines()[:-1]
+    assert main([str(profile_path), "--layers-per-stage", "3,2,2,1", "--microbatches", "8", *topo,
+                 "-o", str(tmp_path / "b.json")]) == 0
+    assert capsys.readouterr().out.splitlines()[:-1] == table
+    a, b = Plan.load(tmp_path / "a.json"), Plan.load(tmp_path / "b.json")
+    assert b.predicted == a.predicted and [s.layers for s in b.stages] == [(0, 3), (3, 5), (5, 7), (7, 8)]
+    assert main([str(profile_path), "--layers-per-stage", "even", "--workers", "4", "--microbatches", "8", *topo,
+                 "-o", str(tmp_path / "c.json")]) == 0
+    assert [s.layers for s in Plan.load(tmp_path / "c.json").stages] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+
+
+def test_layers_per_stage_keeps_gemm_accumulation_where_the_profile_timed_it_faster(tmp_path: Path) -> None:
+    prof = make_profile()
+    for x in prof.layers:
+        x.forward_gemm_ms, x.backward_gemm_ms, x.backward_accumulate_gemm_ms = x.forward_ms, x.backward_ms / 2, 1.0
+    prof.save(tmp_path / "p.json")
+    assert main([str(tmp_path / "p.json"), "--layers-per-stage", "4,4", "--microbatches", "4",
+                 "-o", str(tmp_path / "o.json")]) == 0
+    assert Plan.load(tmp_path / "o.json").accumulation == "gemm"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--layers-per-stage", "4,4"], "--layers-per-stage prices one plan: give --microbatches M"),
+    (["--layers-per-stage", "4,4", "--microbatches", "auto"],
+     "--layers-per-stage prices one plan: give --microbatches M"),
+    (["--layers-per-stage", "3,3", "--microbatches", "4"],
+     "layer counts [3, 3] must be 2 positive numbers summing to 8"),
+    (["--layers-per-stage", "4,x", "--microbatches", "4"],
+     "--layers-per-stage must be comma-separated integers or 'even', found '4,x'"),
+    (["--layers-per-stage", "4,4", "--workers", "3", "--microbatches", "4"],
+     "--layers-per-stage gives 2 stages but --workers 3 makes 3"),
+    (["--layers-per-stage", "even", "--microbatches", "4"], "--layers-per-stage even needs --workers"),
+    (["--layers-per-stage", "4,4", "--microbatches", "4", "--memory-per-worker", "1GB"],
+     "--global-batch, --memory-per-worker and --straight shape a search; --layers-per-stage prices the split as given"),
+    (["--layers-per-stage", "4,4", "--microbatches", "4", "--evaluate", "x.json"],
+     "give one of --evaluate PLAN and --layers-per-stage COUNTS"),
+    (["--layers-per-stage", "2,2,2", "--microbatches", "4", "--schedule", "interleaved"],
+     "--layers-per-stage gives 3 stages, not a multiple of --virtual-stages 2"),
+])
+def test_layers_per_stage_refuses_bad_input_in_one_line(tmp_path: Path, profile_path: Path, args: list[str],
+                                                        message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    err = one_line_error(capsys, [str(profile_path), *args, "-o", str(tmp_path / "o.json")])
+    assert err == "pipeflow-plan: error: " + message
+
+
 def test_evaluate_refuses_a_plan_the_schedule_cannot_run(tmp_path: Path, profile_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     d = {"format": "pipeflow.plan/1", "schedule": "async", "microbatches": 4, "workers": 3,
