@@ -16,6 +16,10 @@ from tests.reference import reference_delayed, reference_flush, weight_versions
 
 MODELS = {"mlp": {"layers": 6, "hidden": 16, "d_in": 8, "samples": 256},
           "gpt": {"layers": 2, "d_model": 16, "heads": 2, "seq_len": 8, "vocab": 256}}
+# gpt's fine layers (embedding, 2 x (AttentionCore, Projection, Expand, Contract), head): boundaries inside a
+# sublayer carry two tensors, the residual and the branch, through the stashed weight copies.
+MODELS["gpt-fine"] = {**MODELS["gpt"], "granularity": "fine"}
+BUILDER = {"gpt-fine": "gpt"}
 B = 2
 
 # ---------------------------------------------------------------- pure: versions held
@@ -170,6 +174,8 @@ CASES = {
     "2bw-mlp-1-3": ("mlp", "2bw", [(2, 1), (4, 3)], 5, 2, "sgd"),
     "2bw-gpt-1-2": ("gpt", "2bw", [(3, 1), (1, 2)], 5, 2, "sgd"),
     "2bw-mlp-warmup": ("mlp", "2bw", [(2, 1), (2, 1), (2, 1)], 4, 3, "adam"),
+    "async-gptfine-np3": ("gpt-fine", "async", [(2, 1), (2, 1), (6, 1)], 5, 2, "sgd"),  # cut after AttentionCore
+    "2bw-gptfine-np2": ("gpt-fine", "2bw", [(4, 1), (6, 1)], 5, 2, "adam"),  # and after Expand (4 x wide)
 }
 WARMUP = {"2bw-mlp-warmup": "4,2,0"}  # --warmup: deeper than 2bw's own 2,1,0; versions per minibatch, same result
 
@@ -181,8 +187,9 @@ def delayed(d: Path, case: str) -> Case:
     plan = d / "plan.json"
     np_ = write_plan(plan, schedule, m, stages)
     lr = 0.05 if opt == "sgd" else 0.01
-    return Case(np_, ["--model", model, "--model-args", json.dumps(MODELS[model]), "--plan", str(plan),
-                      "--steps", str(steps), "--microbatch-size", str(B), "--optimizer", opt, "--lr", str(lr),
+    return Case(np_, ["--model", BUILDER.get(model, model), "--model-args", json.dumps(MODELS[model]),
+                      "--plan", str(plan), "--steps", str(steps), "--microbatch-size", str(B), "--optimizer", opt,
+                      "--lr", str(lr),
                       "--momentum", "0.9" if opt == "sgd" else "0", "--dtype", "float64", "--device", "cpu",
                       "--save", str(d / "model.pt")] + (["--vertical-sync"] if vsync else [])
                 + (["--warmup", WARMUP[case]] if case in WARMUP else []),
@@ -199,12 +206,13 @@ def test_async_equals_delayed_reference(mpi: MpiRun, case):
     got = torch.load(mpi.dir / "model.pt", weights_only=True)
     kw = dict(steps=steps, microbatches=m, microbatch_size=B, optimizer=opt, lr=lr,
               momentum=0.9 if opt == "sgd" else 0.0)
-    want = reference_delayed(model, MODELS[model], schedule=schedule, stages=stages, vertical_sync=vsync, **kw)
+    want = reference_delayed(BUILDER.get(model, model), MODELS[model], schedule=schedule, stages=stages,
+                             vertical_sync=vsync, **kw)
     assert list(got) == list(want), case
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-11, msg=f"{case}: {k}")
     # The delayed rule matters here: the result differs from flush training on the same samples.
-    flush = reference_flush(model, MODELS[model], **kw)
+    flush = reference_flush(BUILDER.get(model, model), MODELS[model], **kw)
     assert any(not torch.allclose(want[k], flush[k], rtol=1e-6, atol=1e-8) for k in want)
     if case in WARMUP:  # it ran the deeper warm-up, with the copies the memory model counts (2, 2, 1)
         assert f"2bw warm-up: {WARMUP[case].replace(',', ', ')} forwards" in mpi.proc.stderr
