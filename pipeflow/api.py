@@ -73,7 +73,8 @@ class Pipeline:
     `schedule` and `microbatches` override the plan's (default 1f1b and 8 without a plan). `optimizer`
     makes a rank's optimizer from its parameters. `warmup`: 1f1b's forwards before the first backward per
     stage (None: the schedule's minimum). The keyword arguments after `vertical_sync` are pipeflow-train's
-    (its world, data, monitor, non-finite guard and segments).
+    (its world, data, monitor, non-finite guard and segments); `shard_optimizer`: a replicated stage's optimizer
+    state split over its replicas, each updating its share and sending it to the others (pipeflow/shard.py).
     """
 
     def __init__(self, layers: Sequence[nn.Module], loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], *,
@@ -82,7 +83,7 @@ class Pipeline:
                  seed: int = 0, timeout: float = 300.0, warmup: list[int] | None = None,
                  vertical_sync: bool = False, world: Any = None, data: Feed | None = None,
                  timer: Timing | None = None, step_gate: GateFactory | None = None, total_steps: int = 1,
-                 segment_steps: int | None = None) -> None:
+                 segment_steps: int | None = None, shard_optimizer: bool = False) -> None:
         from pipeflow.comm import init_world
         from pipeflow.engine import Engine
         from pipeflow.planning import check_ties
@@ -100,7 +101,7 @@ class Pipeline:
         self.engine = Engine(self.world, self.plan, spec, schedule=self.plan.schedule, optimizer_factory=optimizer,
                              loader=loader, dtype=dtype, total_steps=total_steps, timer=timer,
                              vertical_sync=vertical_sync, warmup=warmup, segment_steps=segment_steps, seed=seed,
-                             step_gate=step_gate)
+                             step_gate=step_gate, shard_optimizer=shard_optimizer)
         self.step_count = 0  # minibatches trained: the next step's data index (a resumed run sets it)
         self.unread = 0      # minibatches whose losses take_loss has not read yet
 

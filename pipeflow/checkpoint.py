@@ -24,6 +24,7 @@ from typing import IO, TYPE_CHECKING, Any
 import torch
 
 from partitioner.jsonfile import atomic_write, write_json
+from pipeflow.control import OPTIMIZER_STATE_TAG
 
 if TYPE_CHECKING:
     from pipeflow.config import TrainConfig
@@ -98,9 +99,33 @@ def optimizer_state(engine: Any, layers: tuple[int, int] | None = None) -> dict[
     return {"class": type(opt).__name__, "state": state, "groups": groups}
 
 
-def stage_payload(engine: Any, step: int, run_info: dict[str, Any], k: int | None = None) -> dict[str, Any]:
-    """The file of model stage `k` (default: the rank's first chunk): its weights and optimizer state, and
-    the rank's RNG state (the same in every file of the rank)."""
+def sharded_states(engine: Any, comm: Any) -> dict[int, dict[str, Any]] | None:
+    """Collective over a sharded stage's replicas (--shard-optimizer, pipeflow/shard.py): each holds the optimizer
+    state of its share of the parameters, so replica 0, which writes the stage's files, receives the others'
+    (MPI, in replica order) and returns each chunk's whole state, in the optimizer's order without sharding;
+    None on the other replicas and without sharding."""
+    shard = getattr(engine, "shard", None)
+    if shard is None:
+        return None
+    mine = {k: optimizer_state(engine, chunk_layers(c)) for k, c in chunks(engine).items()}
+    if engine.r != 0:
+        comm.send(mine, dest=shard.ranks[0], tag=OPTIMIZER_STATE_TAG)
+        return None
+    order = {n: i for i, ns in enumerate(_param_names(engine)[id(p)] for p in engine.parameters()) for n in ns}
+    for q in range(1, shard.replicas):
+        for k, other in comm.recv(source=shard.ranks[q], tag=OPTIMIZER_STATE_TAG).items():
+            mine[k]["state"].update(other["state"])
+            for g, h in zip(mine[k]["groups"], other["groups"]):
+                g["params"] = sorted(g["params"] + h["params"], key=order.__getitem__)
+    for opt in mine.values():
+        opt["state"] = dict(sorted(opt["state"].items(), key=lambda kv: order[kv[0]]))
+    return mine
+
+
+def stage_payload(engine: Any, step: int, run_info: dict[str, Any], k: int | None = None,
+                  optimizer: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The file of model stage `k` (default: the rank's first chunk): its weights and optimizer state (`optimizer`:
+    as sharded_states gathered it), and the rank's RNG state (the same in every file of the rank)."""
     k = engine.s if k is None else k
     chunk = chunks(engine)[k]
     a, b = chunk_layers(chunk)
@@ -109,7 +134,7 @@ def stage_payload(engine: Any, step: int, run_info: dict[str, Any], k: int | Non
         rng["cuda"] = torch.cuda.get_rng_state(engine.world.device)
     return {"format": CKPT_FORMAT, "step": step, "stage": k, "layers": [a, b],
             "weights": {name: v.clone() for name, v in chunk.model_state_dict().items()},
-            "optimizer": optimizer_state(engine, (a, b)), "rng": rng,
+            "optimizer": optimizer if optimizer is not None else optimizer_state(engine, (a, b)), "rng": rng,
             "extra": None, "run": run_info}  # "extra": kept in the format, unused
 
 
@@ -184,12 +209,13 @@ def save(engine: Any, root: str | Path, step: int, comm: Any, run_info: dict[str
         except OSError as e:
             error = f"cannot create the directory: {e.strerror}"
     comm.Barrier()
+    gathered = sharded_states(engine, comm)  # every rank, whatever the error: it is collective
     written: list[tuple[int, int, str]] = []  # (model stage, bytes, sha256)
     for k in (sorted(chunks(engine)) if engine.r == 0 and error is None else []):
         path = stage_file(d, k)
         try:
             d.mkdir(parents=True, exist_ok=True)
-            payload = stage_payload(engine, step, run_info, k)
+            payload = stage_payload(engine, step, run_info, k, None if gathered is None else gathered[k])
             written.append((k, *write_torch(path, payload)))
         except (OSError, RuntimeError) as e:  # RuntimeError: torch's writer failed without an OSError behind
             error = f"cannot write {path.name}: {reason(e)}"

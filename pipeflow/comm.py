@@ -86,8 +86,7 @@ def init_world(*, device: str = "auto", timeout_s: float = 300.0) -> World:
     host, port = comm.bcast(addr, root=0)
     kwargs: dict[str, Any] = {}
     if backend == "nccl" and os.environ.get("PIPEFLOW_NCCL_EAGER_INIT") == "1":
-        # Eager init turns each 2-rank group's point-to-point ops into serialized collectives; the
-        # default (lazy) gives every channel its own communicator, created in P2P.warm_up.
+        # Eager init serializes each 2-rank group's p2p ops; lazy gives a channel its own communicator (warm_up).
         kwargs["device_id"] = dev
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s), **kwargs)
@@ -114,6 +113,11 @@ def new_group(ranks: list[int], options: Any = None) -> Any:
 def all_reduce(tensor: torch.Tensor, group: Any, *, async_op: bool = False) -> Any:
     """Sum `tensor` in place over `group`; with async_op, the work to wait on."""
     return dist.all_reduce(tensor, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Any) -> None:
+    """`tensor` from global rank `src` to every member of `group`, in place (shard.py's weights)."""
+    dist.broadcast(tensor, src=src, group=group)
 
 
 def group_size(group: Any) -> int:
@@ -166,8 +170,7 @@ class P2P:
         self.world = world
         self.groups = groups
         self.meta_cache: dict[tuple[int, int, Any], list[TensorMeta]] = {}
-        # Posted sends not known complete, oldest first: (works, bytes). A send is dropped, with its
-        # buffers, once it completes; more than `window` of them waits for the oldest (set_window).
+        # Posted sends not known complete, oldest first (works, bytes); beyond `window` the oldest is waited for.
         self.pending_sends: list[tuple[list[Any], int]] = []
         self.window = window
         self.peak_pending = 0        # most sends held at once, and the most bytes they held

@@ -125,6 +125,7 @@ class TrainConfig:
     tensorboard: str | None = None
     trace: str | None = None
     vertical_sync: bool = False
+    shard_optimizer: bool = False
     layers_per_stage: str | None = None
     straight: bool = False
     topology: str | None = None

@@ -21,6 +21,7 @@ META_TAG = 71            # comm.P2P: the shapes and dtypes of a channel's tensor
 RING_TAGS = {"F": 72, "B": 73}  # celink: a sender's new ring of slots, per direction of a channel
 HEARTBEAT_TAG = 0x7E57   # watchdog: peer heartbeats
 STOP_TAG = 0x7E58        # interrupt: a signalled rank tells the others
+OPTIMIZER_STATE_TAG = 0x5A4  # checkpoint: a sharded stage's optimizer state, each replica's to replica 0
 
 # MPICH's mpirun drops the output a rank wrote just before MPI Abort in about 1 run of 6 (a 3-rank job,
 # idle 2-core machine; 0 of 80 with a 0.2 s pause): the abort overtakes the forwarded stderr. The pause

@@ -16,6 +16,7 @@ from pipeflow.links import arm_points, make_links, make_reducers, send_window, t
 from pipeflow.receives import ForwardReceives
 from pipeflow.reduce import find_ties
 from pipeflow.schedule import Action, Kind, Schedule, generate
+from pipeflow.shard import sharded
 from pipeflow.spec import ModelSpec
 from pipeflow.split import gemm_accumulation, linear_notes
 from pipeflow.stage import Stage, mark_requires_grad
@@ -33,7 +34,7 @@ class Engine:
                  loader: Feed, dtype: torch.dtype | None = None, total_steps: int = 1,
                  timer: Timing | None = None, vertical_sync: bool = False,
                  warmup: list[int] | None = None, segment_steps: int | None = None, seed: int = 0,
-                 step_gate: GateFactory | None = None) -> None:
+                 step_gate: GateFactory | None = None, shard_optimizer: bool = False) -> None:
         # No reference to spec (its layer list) is kept: only this rank's layers stay alive (issue 10).
         self.world, self.plan, self.loader = world, plan, loader
         self.kind = schedule_kind(schedule)  # the schedule's rules (kinds.py)
@@ -52,22 +53,18 @@ class Engine:
         linears = sum(len(c.linear_backward(split=self.kind.split_backward, fuse=fuse)) for c in self.stages.values())
         for line in linear_notes(linears, split=self.kind.split_backward, fuse=fuse):
             log.info("%s: %s", schedule, line)
-        # Once: walking the modules takes ~0.1 ms on 14 GPT blocks, read at every update (32 a step under async at
-        # microbatch 2); the objects never change (checkpoints load into them; the stash binds copies in a forward).
+        # Once: read at every update (32 a step under async at microbatch 2); the objects never change.
         live: dict[int, torch.nn.Parameter] = {}
         for c in self.stages.values():
             live.update((id(p), p) for p in c.parameters())
         self._parameters = list(live.values())
-        self.optimizer = optimizer_factory(self.parameters())
         self.flush, self.vertical_sync = self.kind.flush, vertical_sync
         self.warmup = warmup if warmup is not None else plan.warmup  # None: the plan's (else the minimum)
-        # Flush schedules repeat one step's list; asynchronous ones run the microbatches of a segment
-        # (`segment_steps` minibatches; default: the whole run) as one list (begin_segment).
+        # Flush schedules repeat one step's list; asynchronous ones run a segment's as one (begin_segment).
         self._scheds: dict[int, Schedule] = {}
         self.mb_offset = 0  # asynchronous: global index of the current segment's microbatch 0
         self._use_schedule(1 if self.flush else (segment_steps or total_steps))
-        # Parameters shared by layers of several stages (tied embedding and head): one logical parameter
-        # whose gradient is summed over every stage and replica holding it (reduce.Tie, _step).
+        # Tied parameters (embedding and head): one logical parameter, its gradient summed over all holders.
         self.ties = find_ties(spec.layers, [st.layers for st in plan.stages], [st.ranks for st in plan.stages])
         if self.ties and not self.kind.ties_allowed:
             raise ValueError(tied_async_error(self.ties, schedule))
@@ -77,6 +74,9 @@ class Engine:
         self.p2p.warm_up()
         self._logged_peak = 0
         st = plan.stages[self.s]
+        self.shard = sharded(self._parameters, st.replicas, self.r, self.replica_groups.get(tuple(st.ranks)),
+                             st.ranks) if shard_optimizer else None  # --shard-optimizer (ZeRO stage 1)
+        self.optimizer = optimizer_factory(self.shard.owned if self.shard else self.parameters())
         self.tie_reducers, self.reducers = make_reducers(self.stages, self.ties, links, st.ranks, self.kind)
         self.policy: WeightHooks = WeightPolicy()
         if self.kind.weights is not Weights.LIVE:
@@ -178,8 +178,7 @@ class Engine:
                 if reducer is not None and self.split is Kind.B and key in arm_at and i in stage.saved:
                     reducer.arm(stage.saved[i].outputs)
                 in_grads[key] = self._backward(stage, i, posted)
-                # Buffers received for microbatch i are dead after its backward (W, where split: the deferred
-                # weight GEMMs read them): reused then, unless aliased (comm.P2P.release).
+                # Received buffers are dead after B (W, where split), reused unless aliased (comm.P2P.release).
                 dead[key] = (self._received.pop(key, []) + (posted[0] if posted else []),
                              (outputs.pop(key, None) or []) + in_grads[key])
                 if self.split is Kind.B:
@@ -264,9 +263,10 @@ class Engine:
             for tie in self.tie_reducers:  # after the replicas' reduction, which excludes tied parameters
                 tie.finish()
             self.policy.before_step()
-            # guard.StepGuard: skips non-finite updates; agrees on stop/skip at step boundaries.
-            if self.step_gate is None or self.step_gate():
+            if self.step_gate is None or self.step_gate():  # guard.StepGuard: non-finite updates, stop/skip
                 self.optimizer.step()
+            if self.shard is not None:  # skipped or not, on every replica: the owners' weights to the others
+                self.shard.broadcast()
             self.optimizer.zero_grad(set_to_none=True)
             self.policy.after_step()
 

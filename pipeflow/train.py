@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "TensorBoard's throughput/mfu (default: known GPUs' dense bf16/fp32 peak; none on CPUs)")
     p.add_argument("--vertical-sync", action="store_true",
                    help="async: every stage uses the weight version stage 0 used (PipeDream §3.3)")
+    p.add_argument("--shard-optimizer", action="store_true",
+                   help="replicated stages: each replica keeps the optimizer state of, and updates, its share of the "
+                        "stage's parameters, then sends them to the others (ZeRO stage 1); the same weights, 1/r of "
+                        "the optimizer state per replica")
     p.add_argument("--layers-per-stage", default=None,
                    help="with no --plan: 'even', or comma-separated layer counts per stage (e.g. 8,6,6,6), instead "
                         "of profiling and planning on the spot")

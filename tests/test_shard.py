@@ -1,0 +1,118 @@
+"""--shard-optimizer (pipeflow/shard.py): a replicated stage's optimizer state split over its replicas gives the same
+weights, bit for bit, under every schedule kind, and checkpoints hold the whole state."""
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pipeflow.shard import ShardedUpdate, owners, sharded
+from tests.conftest import Case, MpiRun, batched
+
+GPT = {"layers": 2, "d_model": 16, "heads": 2, "seq_len": 8, "vocab": 256}
+MLP = {"layers": 6, "hidden": 16, "d_in": 8, "samples": 256}
+
+
+def test_owners_balance_the_bytes_and_agree_on_every_replica() -> None:
+    assert owners([100, 50, 40, 30], 2) == [0, 1, 1, 1]
+    assert owners([8, 8, 8], 3) == [0, 1, 2] and owners([], 2) == []
+    rng = random.Random(3)
+    for _ in range(200):
+        sizes = [rng.randint(1, 1000) for _ in range(rng.randint(1, 40))]
+        r = rng.randint(1, 5)
+        got = owners(sizes, r)
+        assert got == owners(list(sizes), r)  # a pure function of the sizes: every replica computes the same
+        load = [sum(s for s, q in zip(sizes, got) if q == k) for k in range(r)]
+        assert max(load) - min(load) <= max(sizes)  # largest first to the least loaded: within one tensor
+
+
+def test_a_stage_with_fewer_tensors_than_replicas_is_not_sharded(caplog: pytest.LogCaptureFixture) -> None:
+    one = [nn.Parameter(torch.zeros(4))]
+    assert sharded(one, 1, 0, None, [0]) is None
+    with caplog.at_level("WARNING"):
+        assert sharded(one, 2, 1, None, [0, 1]) is None
+    assert "the stage has 1 parameter tensors for 2 replicas; its optimizer state is not sharded" in caplog.text
+    frozen = nn.Parameter(torch.zeros(3), requires_grad=False)
+    shard = ShardedUpdate([*one, frozen, nn.Parameter(torch.zeros(2))], 2, 1)
+    assert shard.complete and [p.numel() for p in shard.owned] == [2]  # the frozen one is nobody's
+
+
+def _plan(d: Path, schedule: str, stages: list[tuple[tuple[int, int], list[int]]]) -> Path:
+    plan = {"format": "pipeflow.plan/1", "schedule": schedule, "microbatches": 4,
+            "workers": len({q for _, r in stages for q in r}),
+            "stages": [{"layers": list(ls), "replicas": len(r), "ranks": r} for ls, r in stages]}
+    path = d / f"plan-{schedule}.json"
+    path.write_text(json.dumps(plan))
+    return path
+
+
+def _runs(d: Path, model: str, schedule: str, stages: list[tuple[tuple[int, int], list[int]]],
+          extra: list[str]) -> list[Case]:
+    args = ["--model", model, "--model-args", json.dumps(GPT if model == "gpt" else MLP),
+            "--plan", str(_plan(d, schedule, stages)), "--steps", "4", "--microbatch-size", "2",
+            "--optimizer", "adam", "--lr", "0.01", "--dtype", "float64", "--device", "cpu", *extra]
+    np_ = len({q for _, r in stages for q in r})
+    return [Case(np_, [*args, "--save", str(d / "plain.pt")]),
+            Case(np_, [*args, "--shard-optimizer", "--save", str(d / "sharded.pt")], env={"PIPEFLOW_LOG": "INFO"})]
+
+
+KINDS = {  # a pipeline of two replicated stages, and data parallelism under the asynchronous kinds
+    "1f1b-2x2": ("gpt", "1f1b", [((0, 2), [0, 1]), ((2, 4), [2, 3])]),
+    "2bw-dp": ("mlp", "2bw", [((0, 6), [0, 1])]),
+    "async-dp": ("mlp", "async", [((0, 6), [0, 1])]),
+    "interleaved": ("mlp", "interleaved", [((0, 2), [0, 1]), ((2, 4), [2, 3]), ((4, 5), [0, 1]), ((5, 6), [2, 3])]),
+}
+
+
+def same_weights(d: Path, kind: str) -> list[Case]:
+    model, schedule, stages = KINDS[kind]
+    return _runs(d, model, schedule, stages, [])
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@batched(same_weights)
+def test_sharded_update_gives_the_same_weights_bit_for_bit(mpi: MpiRun, kind: str) -> None:
+    plain = torch.load(mpi.dir / "plain.pt", weights_only=True)
+    got = torch.load(mpi.dir / "sharded.pt", weights_only=True)
+    assert list(got) == list(plain)
+    for k in plain:
+        assert torch.equal(got[k], plain[k]), (kind, k)
+    shares = re.findall(r"\[rank (\d)\] INFO pipeflow.shard: optimizer sharded over 2 replicas: this rank updates "
+                        r"(\d+) of the stage's (\d+) parameter bytes", mpi.proc.stderr)
+    ranks = len({q for _, r in KINDS[kind][2] for q in r})
+    assert sorted(int(r) for r, _, _ in shares) == list(range(ranks))  # every rank holds a share, none the whole
+    assert all(0 < int(mine) < int(total) for _, mine, total in shares)
+
+
+def checkpoints(d: Path) -> list[Case]:
+    """Checkpointed every 2 steps with and without sharding, then a sharded run resumed from step 2."""
+    stages = [((0, 3), [0, 1]), ((3, 6), [2, 3])]
+    runs = _runs(d, "mlp", "1f1b", stages, [])
+    ck = ["--checkpoint-every", "2"]
+    plain = Case(4, [*runs[0].args[:-2], *ck, "--checkpoint-dir", str(d / "ck-plain")])
+    shard = Case(4, [*runs[1].args[:-2], *ck, "--checkpoint-dir", str(d / "ck-shard")])
+    resumed = Case(4, [*runs[1].args[:-2], "--resume", str(d / "ck-shard" / "step-000002"),
+                       "--save", str(d / "resumed.pt")])
+    return [*runs, plain, shard, resumed]
+
+
+@batched(checkpoints)
+def test_a_sharded_checkpoint_holds_every_state_and_resumes_exactly(mpi: MpiRun) -> None:
+    for stage in ("stage-000.pt", "stage-001.pt"):
+        a = torch.load(mpi.dir / "ck-plain" / "step-000002" / stage, weights_only=True)["optimizer"]
+        b = torch.load(mpi.dir / "ck-shard" / "step-000002" / stage, weights_only=True)["optimizer"]
+        assert list(b["state"]) == list(a["state"]) and b["groups"] == a["groups"]
+        for name, st in a["state"].items():
+            assert st.keys() == b["state"][name].keys()
+            for key, v in st.items():
+                w = b["state"][name][key]
+                assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, (stage, name, key)
+    whole = torch.load(mpi.dir / "sharded.pt", weights_only=True)
+    got = torch.load(mpi.dir / "resumed.pt", weights_only=True)
+    for k in whole:
+        assert torch.equal(got[k], whole[k]), k
