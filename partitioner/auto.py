@@ -94,8 +94,8 @@ def why(winner: Candidate, tried: list[Candidate]) -> str:
 
 def plan_auto(profile: Profile, workers: int, *, microbatches: int | str = "auto",
               topology: Topology | str | None = None, memory_per_worker: int | str | None = None,
-              straight: bool = False, optimizer: str = "adam", keep_timeline: bool = False
-              ) -> tuple[Planned, list[Candidate]]:
+              straight: bool = False, optimizer: str = "adam", keep_timeline: bool = False,
+              shard_optimizer: bool = False) -> tuple[Planned, list[Candidate]]:
     """The plan of the best flush schedule and every candidate tried; PlanningError when none has a plan."""
     topo = resolve_topology(workers, topology, profile)  # a bad topology is no schedule's fault: refuse it once
     tried = candidates()
@@ -104,7 +104,7 @@ def plan_auto(profile: Profile, workers: int, *, microbatches: int | str = "auto
             c.planned = plan_accumulation(partial(
                 plan_detailed, workers=workers, schedule=c.schedule, microbatches=microbatches, topology=topo,
                 memory_per_worker=memory_per_worker, straight=straight, optimizer=optimizer,
-                keep_timeline=keep_timeline, **c.variant), profile)
+                keep_timeline=keep_timeline, shard_optimizer=shard_optimizer, **c.variant), profile)
         except PlanningError as e:
             c.error = str(e)
     ok = [(i, c) for i, c in enumerate(tried) if c.planned is not None]

@@ -120,7 +120,8 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
             profiled = busy * (float(lay.forward_ms[a:b].sum() + lay.backward_ms[a:b].sum())
                                + (lay.loss_ms if b == L else 0.0))
             p = float(lay.parameter_bytes[a:b].sum())
-            upd = p * (lay.optimizer_ms_per_byte + lay.copy_ms_per_byte * kind.copies_per_update(pl.replicas, s))
+            rate = lay.optimizer_ms_per_byte / (st.replicas if pl.shard_optimizer else 1)  # sharded: 1/r of it
+            upd = p * (rate + lay.copy_ms_per_byte * kind.copies_per_update(pl.replicas, s))
             own_per_mb: list[float] = []
             for step, spans in steps.items():
                 if step < skip:

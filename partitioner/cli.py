@@ -89,6 +89,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"{DEFAULT_VIRTUAL_STAGES}); "
                         "--microbatches must be a multiple of --workers")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES), default="adam")
+    p.add_argument("--shard-optimizer", action="store_true",
+                   help="price replicated stages with their optimizer state split over the replicas (1/r of it and "
+                        "of the update each, then the weights broadcast), as pipeflow-train --shard-optimizer runs "
+                        "them; the plan says so and pipeflow-train follows it")
     p.add_argument("--evaluate", metavar="PLAN", default=None,
                    help="price this plan.json instead of planning: write it to -o with 'predicted' filled")
     p.add_argument("--layers-per-stage", metavar="COUNTS", default=None,
@@ -112,6 +116,8 @@ def _microbatches(text: str) -> int | str:
 
 def _evaluate(args: argparse.Namespace, profile: Profile) -> Planned:
     plan = Plan.load(args.evaluate)
+    if args.shard_optimizer:
+        plan.extra["shard_optimizer"] = True
     for flag, given, own in (("--workers", args.workers, plan.workers), ("--schedule", args.schedule, plan.schedule),
                              ("--microbatches", args.microbatches, str(plan.microbatches))):
         if given is not None and given != own:
@@ -184,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             planned = _split(args, profile)
         else:
             common = dict(topology=args.topology, memory_per_worker=args.memory_per_worker, straight=args.straight,
-                          optimizer=args.optimizer, keep_timeline=args.timeline is not None)
+                          optimizer=args.optimizer, keep_timeline=args.timeline is not None,
+                          shard_optimizer=args.shard_optimizer)
             if args.schedule not in (None, AUTO) and schedule_kind(args.schedule).chunk_order is not None:
                 common["virtual_stages"] = args.virtual_stages
             if args.global_batch is not None:

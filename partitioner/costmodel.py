@@ -75,6 +75,7 @@ class LayerCosts:
     loss_bytes: float = 0.0  # the loss's memory beyond its input, on the last layer's stage (profile.loss_bytes)
     copy_ms_per_byte: float = 0.0  # one copy of the weights (a stashed version), per byte (profile.copy_ms_per_byte)
     contention: float = 1.0  # the layers beside busy ranks over alone (profile.contention; price.contention_scale)
+    shard_optimizer: bool = False  # a replicated stage's optimizer state split over its replicas (pipeflow/shard.py)
 
     @classmethod
     def of(cls, forward_ms: Sequence[float], backward_ms: Sequence[float], output_bytes: Sequence[float],
@@ -178,7 +179,7 @@ class CostModel:
         b = self.Bw[k] - self.Bw[i] + self.layers.stage_overhead_ms(i, k)[1]
         exposed = np.maximum(0.0, self.allreduce_ms(p, r, level) - b)
         if level == 0:
-            exposed = exposed + self.layers.optimizer_ms_per_byte * p + self.layers.update_ms
+            exposed = exposed + self.update_ms(p, r, level)
         busy = np.asarray(unit_ms) * (self.share(r) / self.microbatches)
         if self.kind.flush and level == len(self.topology.levels) - 1:
             out = self._flushed(busy, i, k, r, b, exposed)
@@ -189,6 +190,17 @@ class CostModel:
         if self.kind.replicas_at_most_m:  # 2bw: every replica owns a share of each minibatch
             out = np.where(np.asarray(r) <= self.microbatches, out, INF)
         return out
+
+    def update_ms(self, p: np.ndarray | float, r: np.ndarray | float, level: int) -> np.ndarray:
+        """One update of p parameter bytes on r units of `level`: the step over p, or with a sharded optimizer a
+        1/r share of it (each replica's, at most as many as the topology's groups of this level hold) and the
+        broadcast of the other (r - 1)/r of the weights (pipeflow/shard.py; outer levels' share: the simulator)."""
+        lay = self.layers
+        if not lay.shard_optimizer:
+            return np.asarray(lay.optimizer_ms_per_byte * p + lay.update_ms)
+        r = np.asarray(r, dtype=np.float64)
+        most = r * (self.topology.workers // self.topology.unit_size(level + 1))
+        return lay.optimizer_ms_per_byte * p / most + lay.update_ms + (r - 1) / r * p / self.bw(level)
 
     def _flushed(self, busy: np.ndarray, i: np.ndarray | int, k: np.ndarray | int, r: np.ndarray | float,
                  b: np.ndarray, exposed: np.ndarray) -> np.ndarray:
@@ -229,7 +241,8 @@ class CostModel:
         of the last layer, the loss's memory too."""
         p = self.P[j] - self.P[i]
         fl = self.in_flight(downstream, r)
-        return (p * (2 + OPTIMIZER_STATES[self.optimizer] + self.kind.stashed_versions(fl))
+        states = OPTIMIZER_STATES[self.optimizer] / (np.asarray(r) if self.layers.shard_optimizer else 1)
+        return (p * (2 + states + self.kind.stashed_versions(fl))
                 + fl * (self.A[j] - self.A[i]) + self.layers.loss_bytes * (np.asarray(j) == self.num_layers))
 
     def outside(self, level: int) -> int:

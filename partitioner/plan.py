@@ -78,6 +78,12 @@ class Plan:
         return self.extra.get("accumulation")
 
     @property
+    def shard_optimizer(self) -> bool:
+        """Replicated stages split their optimizer state over their replicas (optional field `shard_optimizer`,
+        pipeflow/shard.py): priced so by pipeflow-plan --shard-optimizer, run so by pipeflow-train."""
+        return bool(self.extra.get("shard_optimizer", False))
+
+    @property
     def num_layers(self) -> int:
         return self.stages[-1].layers[1] if self.stages else 0
 
@@ -120,6 +126,8 @@ class Plan:
         if self.extra.get("accumulation", "autograd") not in ACCUMULATIONS:
             raise PlanError(f"plan.accumulation must be one of {', '.join(ACCUMULATIONS)}, found "
                             f"{self.extra['accumulation']!r}")
+        if not isinstance(self.extra.get("shard_optimizer", False), bool):
+            raise PlanError(f"plan.shard_optimizer must be true or false, found {self.extra['shard_optimizer']!r}")
         warmup = self.extra.get("warmup")
         if warmup is not None:
             if not schedule_kind(self.schedule).warmup_applies:

@@ -53,12 +53,15 @@ def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int,
         send = 0.0
         if t + 1 < len(ranges):
             send = nbytes / (topology.levels[topology.level_of(rs[0], ranks[t + 1][0])].bandwidth / 1e3)
-        ar = sum(2.0 * (f - 1) / f * p / (topology.levels[k].bandwidth / 1e3)
-                 for k, f in enumerate(level_factors(rs, topology)) if f > 1)
+        factors = [(f, topology.levels[k].bandwidth / 1e3) for k, f in enumerate(level_factors(rs, topology)) if f > 1]
+        ar = sum(2.0 * (f - 1) / f * p / bw for f, bw in factors)
         weight = 0.0 if lay.backward_weight_ms is None else scale * float(lay.backward_weight_ms[a:b].sum())
+        share = 1.0 / len(rs) if lay.shard_optimizer else 1.0  # --shard-optimizer: a 1/r share of the update,
+        update = lay.optimizer_ms_per_byte * p * share + (  # then the others' weights, level by level
+            sum((f - 1) / f * p / bw for f, bw in factors) if lay.shard_optimizer else 0.0)
         out.append(StageCost(fwd, scale * float(lay.backward_ms[a:b].sum()) + float(extra_b), send, ar, p,
-                             float(lay.activation_bytes[a:b].sum()), lay.optimizer_ms_per_byte * p, nbytes, weight,
-                             lay.latency_ms, lay.message_ms, lay.loss_bytes if b == L else 0.0))
+                             float(lay.activation_bytes[a:b].sum()), update, nbytes, weight,
+                             lay.latency_ms, lay.message_ms, lay.loss_bytes if b == L else 0.0, share))
     return out
 
 

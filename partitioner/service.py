@@ -160,9 +160,8 @@ def _plan_once(profile: Profile, model: CostModel, workers: int, keep_timeline: 
     except PlanningError:
         raise _explain(model, workers) from None
     m = model.microbatches
-    # The split is the fastest at the schedule's own warm-up; then, on GPUs, the warm-up is deepened for it where
-    # the simulation gains (1f1b). Deep warm-ups over an uneven split ran 7.5% slower than simulated on 2 H200s;
-    # on CPU ranks sharing cores send with their own CPU time, which no warm-up hides (no gain measured).
+    # The split is the fastest at the schedule's own warm-up; then, on GPUs, the warm-up is deepened where the
+    # simulation gains (1f1b; on CPU ranks sharing cores send with their own CPU time, which no warm-up hides).
     if profile.device.startswith("cuda"):
         priced = tune_warmup(model.layers, model.topology, model.schedule, m, [(s.start, s.end) for s in sol.stages],
                              [sorted(s.ranks) for s in sol.stages], optimizer=model.optimizer, priced=priced,
@@ -173,6 +172,8 @@ def _plan_once(profile: Profile, model: CostModel, workers: int, keep_timeline: 
                                             "microbatch_size": profile.microbatch_size, "search": info}}
     if priced.warmup is not None:
         extra["warmup"] = priced.warmup
+    if model.layers.shard_optimizer and any(len(s.ranks) > 1 for s in sol.stages):
+        extra["shard_optimizer"] = True  # priced so (CostModel.update_ms); pipeflow-train runs it so
     plan = Plan(model.schedule, m, workers, stages, predicted(priced.sim, m, profile.microbatch_size), extra)
     return Planned(plan, priced.costs, priced.sim, sol)
 
@@ -180,7 +181,7 @@ def _plan_once(profile: Profile, model: CostModel, workers: int, keep_timeline: 
 def plan_detailed(profile: Profile, workers: int, *, schedule: str = "1f1b", microbatches: int | str = "auto",
                   topology: Topology | str | None = None, memory_per_worker: int | str | None = None,
                   straight: bool = False, optimizer: str = "adam", keep_timeline: bool = False,
-                  virtual_stages: int = 1) -> Planned:
+                  virtual_stages: int = 1, shard_optimizer: bool = False) -> Planned:
     topo = resolve_topology(workers, topology, profile)
     if microbatches != "auto":
         check_microbatches(microbatches)
@@ -188,7 +189,7 @@ def plan_detailed(profile: Profile, workers: int, *, schedule: str = "1f1b", mic
         memory_per_worker = parse_bytes(memory_per_worker)
     if schedule not in SCHEDULES:
         raise PlanningError(f"--schedule must be one of {', '.join(SCHEDULES)}, found {schedule!r}")
-    lay = layer_costs(profile, schedule, optimizer)
+    lay = replace(layer_costs(profile, schedule, optimizer), shard_optimizer=shard_optimizer)
     if schedule_kind(schedule).chunk_order is not None or virtual_stages != 1:
         return _chunked(profile, lay, topo, schedule, microbatches, workers, virtual_stages, optimizer,
                         None if memory_per_worker is None else float(memory_per_worker), keep_timeline)
@@ -200,9 +201,8 @@ def plan_detailed(profile: Profile, workers: int, *, schedule: str = "1f1b", mic
     if microbatches != "auto":
         assert isinstance(microbatches, int)
         return _plan_once(profile, model_for(microbatches), workers, keep_timeline)
-    # A flushed minibatch lasts at least one microbatch's round trip through every layer, sum(t), while the
-    # work is m sum(t) over `workers` workers: the bubble 1 - m sum(t) / (workers T) can reach AUTO_BUBBLE
-    # only when m >= (1 - AUTO_BUBBLE) workers. Smaller m need not be planned.
+    # A flushed minibatch lasts at least one round trip, sum(t), for m sum(t) of work on `workers`: the bubble
+    # 1 - m sum(t) / (workers T) reaches AUTO_BUBBLE only when m >= (1 - AUTO_BUBBLE) workers.
     least = math.ceil((1 - AUTO_BUBBLE) * workers) if schedule_kind(schedule).flush else 1
     return _auto_microbatches(lambda m: _plan_once(profile, model_for(m), workers, keep_timeline), least)
 
@@ -287,7 +287,8 @@ def evaluate_plan(profile: Profile, plan: Plan, *, topology: Topology | str | No
     why = schedule_kind(plan.schedule).violation(plan.microbatches, plan.replicas, plan.warmup)
     if why:
         raise PlanError(f"the plan cannot run: {why}")
-    lay = layer_costs(priced_as(profile, plan.accumulation), plan.schedule, optimizer)
+    lay = replace(layer_costs(priced_as(profile, plan.accumulation), plan.schedule, optimizer),
+                  shard_optimizer=plan.shard_optimizer)
     costs, sim = price(lay, topo, plan.schedule, plan.microbatches, [st.layers for st in plan.stages],
                        [st.ranks for st in plan.stages], optimizer=optimizer, keep_timeline=keep_timeline,
                        warmup=plan.warmup)

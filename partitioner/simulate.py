@@ -50,6 +50,7 @@ class StageCost:
     message_ms: float = 0.0  # the sender's own time per message, the end of the F (B) that sends it: the
     # transfer starts with it (a send the calling thread writes, gloo's, holds the transfer in that time)
     transient_bytes: float = 0.0  # held on top of the in-flight activations at the peak (the loss's, last stage)
+    state_share: float = 1.0  # the share of the stage's optimizer state a replica holds (1/r: --shard-optimizer)
 
 
 @dataclass
@@ -250,7 +251,8 @@ def _stage_peaks(sched: Schedule, stages: Sequence[StageCost], peak: list[int], 
         n = max(peak[w] for w in range(len(stage_of)) if stage_of[w] == s % S)
         mine = stages[s % S::S]
         # Copies of the weights beside the live ones, as stash.py holds them (ScheduleKind.stashed_versions).
-        weights = sum(c.parameter_bytes for c in mine) * (2 + OPTIMIZER_STATES[optimizer] + kind.stashed_versions(n))
+        weights = sum(c.parameter_bytes * (2 + OPTIMIZER_STATES[optimizer] * c.state_share + kind.stashed_versions(n))
+                      for c in mine)
         mem.append(weights + n * max(c.activation_bytes for c in mine) + max(c.transient_bytes for c in mine))
         fl.append(n)
     return mem, fl

@@ -118,7 +118,7 @@ def plan_on_the_spot(args: TrainConfig, spec: ModelSpec, world_size: int, rank: 
             # Without --schedule: the fastest flush schedule (--schedule auto), all equal to single-process training.
             common: dict[str, Any] = dict(schedule=args.schedule or AUTO, topology=args.topology,
                                           straight=args.straight, optimizer=args.optimizer,
-                                          memory_per_worker=limit)
+                                          memory_per_worker=limit, shard_optimizer=args.shard_optimizer)
             if virtual > 1:  # --schedule interleaved: chunks per rank
                 common["virtual_stages"] = virtual
             if gb is None:

@@ -5,6 +5,7 @@ import itertools
 import json
 import random
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,12 +35,13 @@ def all_plans(layers: int, workers: int) -> Iterator[tuple[list[tuple[int, int]]
                        [list(range(rstarts[t], rstarts[t + 1])) for t in range(parts)])
 
 
-def brute_force(profile: Profile, topology: Topology, schedule: str, m: int, optimizer: str = "adam") -> float:
+def brute_force(profile: Profile, topology: Topology, schedule: str, m: int, optimizer: str = "adam",
+                shard: bool = False) -> float:
     """The least simulated step time over all plans (at the schedule's own warm-up); checks on the way that
     the DP's bound of each plan is at most its simulated time under a flush, deeper warm-ups included (what
     makes the search exact). The steady state of async and 2bw is measured from two finite runs, which the
     bound can exceed by a few percent."""
-    lay = layer_costs(profile, schedule, optimizer)
+    lay = replace(layer_costs(profile, schedule, optimizer), shard_optimizer=shard)  # --shard-optimizer
     model = CostModel(lay, topology, schedule, m, optimizer)
     best = float("inf")
     for ranges, ranks in all_plans(len(profile.layers), topology.workers):
@@ -93,9 +95,10 @@ def test_cli_choice_is_the_fastest_simulated_plan(tmp_path: Path, seed: int,
     bw = rng.choice(["1GB/s", "10GB/s", "100GB/s"])
     profile = random_profile(rng, n)
     topo = Topology.parse(f"{workers}x{bw}")
-    want = brute_force(profile, topo, schedule, m)
+    shard = random.Random(-seed).random() < 0.4  # its own draw: the others stay those of the seed
+    want = brute_force(profile, topo, schedule, m, shard=shard)
     plan = cli_plan(tmp_path, profile, "--workers", str(workers), "--topology", str(topo), "--schedule", schedule,
-                    "--microbatches", str(m))
+                    "--microbatches", str(m), *(["--shard-optimizer"] if shard else []))
     if want == float("inf"):  # the schedule's rules leave no plan: one line saying so
         assert plan is None
         err = capsys.readouterr().err
@@ -105,6 +108,7 @@ def test_cli_choice_is_the_fastest_simulated_plan(tmp_path: Path, seed: int,
     assert plan is not None
     assert "warmup" not in plan  # a CPU profile: the schedule's own warm-up (the next test: GPU profiles)
     assert plan["predicted"]["step_ms"] == pytest.approx(want, rel=1e-9, abs=2e-6)  # written to 6 decimals
+    assert plan.get("shard_optimizer", False) is (shard and any(st["replicas"] > 1 for st in plan["stages"]))
     if not (profile.contention or 1.0) > 1.0:  # contention scales the simulated layers above the DP's bound: the
         # search may stop at its simulation limit (the plan above is still the fastest) and then claims no proof
         assert plan["planner"]["search"]["exact"] is (schedule in ("gpipe", "1f1b"))

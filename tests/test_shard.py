@@ -116,3 +116,50 @@ def test_a_sharded_checkpoint_holds_every_state_and_resumes_exactly(mpi: MpiRun)
     got = torch.load(mpi.dir / "resumed.pt", weights_only=True)
     for k in whole:
         assert torch.equal(got[k], whole[k]), k
+
+
+def test_the_planner_prices_a_sharded_update_and_its_memory(tmp_path: Path) -> None:
+    """pipeflow-plan --shard-optimizer: a replica holds 1/r of the optimizer state (here what lets data
+    parallelism fit under the limit) and runs 1/r of the update, then receives (r - 1)/r of the weights."""
+    from dataclasses import replace
+
+    from partitioner.cli import main
+    from partitioner.plan import Plan
+    from partitioner.price import price
+    from partitioner.profile import LayerProfile, Profile
+    from partitioner.service import layer_costs
+    from partitioner.topology import Topology
+
+    gb = 1e9
+    prof = Profile("m", {}, "cpu", "float32", 1, [LayerProfile(f"l{i}", 10.0, 20.0, 1e6, 1e6, gb) for i in range(2)],
+                   optimizer_ms_per_byte={"adam": 1e-8})
+    prof.save(tmp_path / "p.json")
+    args = [str(tmp_path / "p.json"), "--workers", "2", "--topology", "2x1000GB/s", "--microbatches", "4",
+            "--memory-per-worker", "7GB", "-o"]
+    assert main([*args, str(tmp_path / "plain.json")]) == 0
+    assert main([*args, str(tmp_path / "sharded.json"), "--shard-optimizer"]) == 0
+    plain, sharded_plan = Plan.load(tmp_path / "plain.json"), Plan.load(tmp_path / "sharded.json")
+    assert plain.replicas == [1, 1] and not plain.shard_optimizer  # data parallel needs 2 GB x (2 + 2) = 8 GB
+    assert sharded_plan.replicas == [2] and sharded_plan.shard_optimizer  # 2 GB x (2 + 1) fits
+    assert 6 * gb < max(sharded_plan.predicted["peak_memory_bytes"]) <= 7 * gb
+    assert sharded_plan.predicted["step_ms"] < plain.predicted["step_ms"]
+    lay = layer_costs(prof, "1f1b", "adam")
+    topo = Topology.parse("2x1000GB/s")
+    whole = price(lay, topo, "1f1b", 4, [(0, 2)], [[0, 1]], optimizer="adam")[0][0]
+    half = price(replace(lay, shard_optimizer=True), topo, "1f1b", 4, [(0, 2)], [[0, 1]], optimizer="adam")[0][0]
+    assert whole.optimizer_ms == pytest.approx(1e-8 * 2 * gb)  # 20 ms: the whole update on every replica
+    assert half.optimizer_ms == pytest.approx(1e-8 * gb + 0.5 * 2 * gb / 1e9)  # 10 ms + 1 GB at 1000 GB/s
+    assert half.state_share == 0.5 and whole.state_share == 1.0
+
+
+def plan_says_so(d: Path) -> Case:
+    path = _plan(d, "1f1b", [((0, 6), [0, 1])])
+    plan = json.loads(path.read_text())
+    path.write_text(json.dumps({**plan, "shard_optimizer": True}))
+    return Case(2, ["--model", "mlp", "--model-args", json.dumps(MLP), "--plan", str(path), "--steps", "2",
+                    "--microbatch-size", "2", "--device", "cpu"], env={"PIPEFLOW_LOG": "INFO"})
+
+
+@batched(plan_says_so)
+def test_pipeflow_train_shards_where_the_plan_says_so(mpi: MpiRun) -> None:
+    assert mpi.proc.stderr.count("INFO pipeflow.shard: optimizer sharded over 2 replicas") == 2
