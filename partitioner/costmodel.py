@@ -194,13 +194,15 @@ class CostModel:
     def update_ms(self, p: np.ndarray | float, r: np.ndarray | float, level: int) -> np.ndarray:
         """One update of p parameter bytes on r units of `level`: the step over p, or with a sharded optimizer a
         1/r share of it (each replica's, at most as many as the topology's groups of this level hold) and the
-        broadcast of the other (r - 1)/r of the weights (pipeflow/shard.py; outer levels' share: the simulator)."""
+        broadcast of the other (r - 1)/r of the weights where it does not overlap the next minibatch
+        (pipeflow/shard.py; outer levels' share: the simulator)."""
         lay = self.layers
         if not lay.shard_optimizer:
             return np.asarray(lay.optimizer_ms_per_byte * p + lay.update_ms)
         r = np.asarray(r, dtype=np.float64)
         most = r * (self.topology.workers // self.topology.unit_size(level + 1))
-        return lay.optimizer_ms_per_byte * p / most + lay.update_ms + (r - 1) / r * p / self.bw(level)
+        sent = 0.0 if self.kind.broadcast_overlaps else (r - 1) / r * p / self.bw(level)
+        return lay.optimizer_ms_per_byte * p / most + lay.update_ms + sent
 
     def _flushed(self, busy: np.ndarray, i: np.ndarray | int, k: np.ndarray | int, r: np.ndarray | float,
                  b: np.ndarray, exposed: np.ndarray) -> np.ndarray:

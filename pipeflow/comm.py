@@ -115,9 +115,9 @@ def all_reduce(tensor: torch.Tensor, group: Any, *, async_op: bool = False) -> A
     return dist.all_reduce(tensor, group=group, async_op=async_op)
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: Any) -> None:
-    """`tensor` from global rank `src` to every member of `group`, in place (shard.py's weights)."""
-    dist.broadcast(tensor, src=src, group=group)
+def broadcast(tensor: torch.Tensor, src: int, group: Any, *, async_op: bool = False) -> Any:
+    """`tensor` from global rank `src` to every member of `group`, in place (shard.py); async_op: the work."""
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
 def group_size(group: Any) -> int:

@@ -53,11 +53,10 @@ class Engine:
         linears = sum(len(c.linear_backward(split=self.kind.split_backward, fuse=fuse)) for c in self.stages.values())
         for line in linear_notes(linears, split=self.kind.split_backward, fuse=fuse):
             log.info("%s: %s", schedule, line)
-        # Once: read at every update (32 a step under async at microbatch 2); the objects never change.
         live: dict[int, torch.nn.Parameter] = {}
         for c in self.stages.values():
             live.update((id(p), p) for p in c.parameters())
-        self._parameters = list(live.values())
+        self._parameters = list(live.values())  # once: read at every update; the objects never change
         self.flush, self.vertical_sync = self.kind.flush, vertical_sync
         self.warmup = warmup if warmup is not None else plan.warmup  # None: the plan's (else the minimum)
         # Flush schedules repeat one step's list; asynchronous ones run a segment's as one (begin_segment).
@@ -201,6 +200,8 @@ class Engine:
                      self.p2p.peak_pending_bytes, self.p2p.window)
         if not self.flush:
             self.policy.finish()
+            if self.shard is not None:  # a segment's end: checkpoints and --save read the weights
+                self.shard.finish()
 
     def _signature(self, sender: int, step: int, i: int) -> Any:
         """What the shapes of the activations model stage `sender` sends for microbatch i depend on."""
@@ -258,15 +259,15 @@ class Engine:
 
     def _step(self) -> None:
         with self.timer.span("STEP"):
-            for reducer in self.reducers.values():  # chunk order: the same on every replica
+            for reducer in (*self.reducers.values(), *self.tie_reducers):  # replicas in chunk order, then ties
                 reducer.finish()
-            for tie in self.tie_reducers:  # after the replicas' reduction, which excludes tied parameters
-                tie.finish()
+            if self.shard is not None:  # the last STEP's broadcast, when deferred, lands before the weights are used
+                self.shard.finish()
             self.policy.before_step()
             if self.step_gate is None or self.step_gate():  # guard.StepGuard: non-finite updates, stop/skip
                 self.optimizer.step()
             if self.shard is not None:  # skipped or not, on every replica: the owners' weights to the others
-                self.shard.broadcast()
+                self.shard.broadcast(defer=self.kind.broadcast_overlaps)
             self.optimizer.zero_grad(set_to_none=True)
             self.policy.after_step()
 
@@ -280,9 +281,8 @@ class Engine:
         return any(c.last for c in self.stages.values())
 
     def take_loss(self, count: int) -> float | None:
-        """Mean loss of the `count` microbatches run since the last call, summed over the last stage's
-        replicas: the value on the rank that owns the loss (last stage, replica 0), None elsewhere.
-        Reads the device, so call it only when the value is reported."""
+        """Mean loss of the `count` microbatches run since the last call, over the last stage's replicas, on the
+        rank that owns the loss (last stage, replica 0), None elsewhere; reads the device (call it to report)."""
         if not self.holds_last:
             return None
         local = torch.stack(self.losses).sum() if self.losses else torch.zeros((), device=self.world.device)

@@ -122,6 +122,12 @@ class ScheduleKind:
             return 1 + (in_flight > 1)
         return 0
 
+    @property
+    def broadcast_overlaps(self) -> bool:
+        """--shard-optimizer (pipeflow/shard.py): the owners' new weights travel under the next minibatch (2bw runs
+        it on the stashed version and reads the live weights only at the next STEP); else they land in the STEP."""
+        return self.weights is Weights.DOUBLE_BUFFER
+
     def copies_per_update(self, replicas: Sequence[int], stage: int) -> int:
         """Weight copies `stage` takes per optimizer update in the steady state (pipeflow/stash.py's VersionBook):
         async one where forwards run ahead of their backwards (the version a later backward needs, which the

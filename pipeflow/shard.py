@@ -21,7 +21,8 @@ from pipeflow.comm import broadcast
 
 log = logging.getLogger(__name__)
 
-BUCKET_BYTES = 64 << 20  # bytes per broadcast: bounds the flat buffer each one needs
+BUCKET_BYTES = 64 << 20  # bytes per broadcast of small tensors: bounds the flat buffer each one needs
+LARGE = 1 << 20  # elements from which a tensor is broadcast alone, in place (as tensorops.copy_weights copies)
 
 
 def owners(sizes: Sequence[int], replicas: int) -> list[int]:
@@ -62,6 +63,7 @@ class ShardedUpdate:
         self.owned = [p for p, q in zip(self.params, self.owner) if q == replica]
         self.group: Any = None
         self.ranks: list[int] = []
+        self.pending: list[tuple[Any, torch.Tensor | None, list[nn.Parameter]]] = []  # (work, flat, to unpack)
 
     @property
     def complete(self) -> bool:
@@ -76,26 +78,40 @@ class ShardedUpdate:
         log.info("optimizer sharded over %d replicas: this rank updates %d of the stage's %d parameter bytes",
                  self.replicas, mine, total)
 
-    def broadcast(self) -> None:
-        """Each owner's parameters to the other replicas, in buckets of one dtype and at most BUCKET_BYTES
-        (a parameter larger than that is a bucket of its own), owners in replica order: every member issues
-        the same broadcasts in the same order. The gradients of the parameters this rank does not own are
-        dropped, as the optimizer's zero_grad drops the others'."""
-        for q in range(self.replicas):
-            for bucket in _buckets([p for p, o in zip(self.params, self.owner) if o == q]):
-                with torch.no_grad():
-                    if q == self.replica:
-                        flat = torch.cat([p.reshape(-1) for p in bucket])
-                    else:
-                        flat = torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype,
-                                           device=bucket[0].device)
-                    broadcast(flat, self.ranks[q], self.group)
-                    if q != self.replica:
-                        torch._foreach_copy_(list(bucket), [f.view_as(p) for f, p in
-                                                            zip(flat.split([p.numel() for p in bucket]), bucket)])
+    def broadcast(self, *, defer: bool = False) -> None:
+        """Each owner's parameters to the other replicas, owners in replica order, so every member issues the same
+        broadcasts in the same order: a tensor of at least LARGE elements in place (no buffer), the rest in
+        buckets of one dtype of at most BUCKET_BYTES. The gradients of the parameters this rank does not own are
+        dropped, as the optimizer's zero_grad drops the others'. `defer` (2bw, whose next minibatch runs on a
+        stashed copy and reads the live weights only at the next STEP): return with the broadcasts in flight,
+        overlapping that minibatch; `finish` lands them (the engine calls it at the next STEP and at the end of
+        a segment)."""
+        self.finish()
+        with torch.no_grad():
+            for q in range(self.replicas):
+                mine = [p for p, o in zip(self.params, self.owner) if o == q]
+                for p in (p for p in mine if p.numel() >= LARGE and p.is_contiguous()):
+                    self.pending.append((broadcast(p.data, self.ranks[q], self.group, async_op=True), None, []))
+                for bucket in _buckets([p for p in mine if p.numel() < LARGE or not p.is_contiguous()]):
+                    flat = (torch.cat([p.reshape(-1) for p in bucket]) if q == self.replica else
+                            torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device))
+                    work = broadcast(flat, self.ranks[q], self.group, async_op=True)
+                    self.pending.append((work, flat, bucket if q != self.replica else []))
         for p, q in zip(self.params, self.owner):
             if q != self.replica:
                 p.grad = None
+        if not defer:
+            self.finish()
+
+    def finish(self) -> None:
+        """Wait for the broadcasts in flight and unpack the buckets received."""
+        for work, flat, bucket in self.pending:
+            work.wait()
+            if bucket and flat is not None:
+                parts = flat.split([p.numel() for p in bucket])
+                with torch.no_grad():
+                    torch._foreach_copy_(list[torch.Tensor](bucket), [f.view_as(p) for f, p in zip(parts, bucket)])
+        self.pending = []
 
 
 def _buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:

@@ -16,6 +16,8 @@ from tests.conftest import Case, MpiRun, batched
 
 GPT = {"layers": 2, "d_model": 16, "heads": 2, "seq_len": 8, "vocab": 256}
 MLP = {"layers": 6, "hidden": 16, "d_in": 8, "samples": 256}
+WIDE = {"layers": 3, "hidden": 1024, "d_in": 8, "samples": 64}  # 1024 x 1024 weights: broadcast in place (LARGE)
+MODELS = {"gpt": ("gpt", GPT), "mlp": ("mlp", MLP), "mlp-wide": ("mlp", WIDE)}
 
 
 def test_owners_balance_the_bytes_and_agree_on_every_replica() -> None:
@@ -53,7 +55,7 @@ def _plan(d: Path, schedule: str, stages: list[tuple[tuple[int, int], list[int]]
 
 def _runs(d: Path, model: str, schedule: str, stages: list[tuple[tuple[int, int], list[int]]],
           extra: list[str]) -> list[Case]:
-    args = ["--model", model, "--model-args", json.dumps(GPT if model == "gpt" else MLP),
+    args = ["--model", MODELS[model][0], "--model-args", json.dumps(MODELS[model][1]),
             "--plan", str(_plan(d, schedule, stages)), "--steps", "4", "--microbatch-size", "2",
             "--optimizer", "adam", "--lr", "0.01", "--dtype", "float64", "--device", "cpu", *extra]
     np_ = len({q for _, r in stages for q in r})
@@ -66,6 +68,8 @@ KINDS = {  # a pipeline of two replicated stages, and data parallelism under the
     "2bw-dp": ("mlp", "2bw", [((0, 6), [0, 1])]),
     "async-dp": ("mlp", "async", [((0, 6), [0, 1])]),
     "interleaved": ("mlp", "interleaved", [((0, 2), [0, 1]), ((2, 4), [2, 3]), ((4, 5), [0, 1]), ((5, 6), [2, 3])]),
+    "1f1b-wide": ("mlp-wide", "1f1b", [((0, 3), [0, 1])]),  # large tensors in place, small ones in buckets
+    "2bw-wide": ("mlp-wide", "2bw", [((0, 3), [0, 1])]),  # the same, deferred under the next minibatch
 }
 
 
@@ -150,6 +154,9 @@ def test_the_planner_prices_a_sharded_update_and_its_memory(tmp_path: Path) -> N
     assert whole.optimizer_ms == pytest.approx(1e-8 * 2 * gb)  # 20 ms: the whole update on every replica
     assert half.optimizer_ms == pytest.approx(1e-8 * gb + 0.5 * 2 * gb / 1e9)  # 10 ms + 1 GB at 1000 GB/s
     assert half.state_share == 0.5 and whole.state_share == 1.0
+    # 2bw: the broadcast travels under the next minibatch (ScheduleKind.broadcast_overlaps), off the STEP
+    overlapped = price(replace(lay, shard_optimizer=True), topo, "2bw", 4, [(0, 2)], [[0, 1]], optimizer="adam")[0][0]
+    assert overlapped.optimizer_ms == pytest.approx(1e-8 * gb)
 
 
 def plan_says_so(d: Path) -> Case:
