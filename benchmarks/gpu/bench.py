@@ -16,6 +16,8 @@ Rows (';'-separated), every one at --sequences per optimizer step (default 64):
     ... SPLIT sub                   pf/big rows: the GPT with granularity "sublayer" (attention and MLP as
                                     separate layers, so the plan may cut inside a block); `fine`: granularity
                                     "fine" (four layers a block, cut at its linear layers)
+    ... plan shard                  pf/big rows: pipeflow-plan --shard-optimizer (replicated stages split their
+                                    optimizer state over the replicas; the plan says so and pipeflow-train follows)
     ... plan mem=GIB                pf/big/gb rows: pipeflow-plan under --memory-per-worker GIB GiB (e.g. torch's
                                     peak, for "as fast at no more memory") instead of 90% of the card's memory
     ... p2p=nccl|ce|auto            pf/big rows: PIPEFLOW_P2P for the row (how stages send: NCCL kernels or the
@@ -274,7 +276,8 @@ class Bench:
         return path
 
     def plan(self, prof: Path, schedule: str, m: int, split: str, tag: str, mem_gib: float | None = None,
-             global_batch: bool = False, warmup: str | None = None, straight: bool = False) -> tuple[Path | None, str]:
+             global_batch: bool = False, warmup: str | None = None, straight: bool = False,
+             shard: bool = False) -> tuple[Path | None, str]:
         """plan.json: pipeflow-plan's (split "plan": under `mem_gib` GiB per worker if given, else the card's
         memory; with `global_batch`, b and m chosen for the sequences), or a given split priced by --evaluate."""
         topo = self.a.topology or f"{self.n}x300GB/s"
@@ -292,7 +295,7 @@ class Bench:
         if split == "plan":
             shape = ["--global-batch", str(self.a.sequences)] if global_batch else ["--microbatches", str(m)]
             cmd = [sys.executable, "-m", "partitioner.cli", "--workers", str(self.n), "--schedule", schedule,
-                   *shape, *(["--straight"] if straight else []), *common]
+                   *shape, *(["--straight"] if straight else []), *(["--shard-optimizer"] if shard else []), *common]
         else:
             counts = [int(c) for c in split.split(",")]
             bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
@@ -315,7 +318,7 @@ class Bench:
     def pf(self, schedule: str, mb: int, m: int, split: str, big: bool = False, grain: str | None = None,
            mem_gib: float | None = None, sizes: str | None = None, trace: bool = False, cal: bool = False,
            timing: str = "default", warmup: str | None = None, straight: bool = False,
-           p2p: str | None = None, accum: str | None = None, busy: bool = False) -> None:
+           p2p: str | None = None, accum: str | None = None, busy: bool = False, shard: bool = False) -> None:
         """A pipeflow-train row. With `sizes` (a gb row) the profile holds those microbatch sizes and
         pipeflow-plan --global-batch picks b, m and the split; mb and m are then what it picked."""
         cfg = self.big if big else self.gpt
@@ -327,7 +330,7 @@ class Bench:
                + (f"-mem{mem_gib:g}" if mem_gib is not None else "") + (f"-{timing}" if timing != "default" else "")
                + (f"-warmup{warmup.replace(',', '_')}" if warmup else "") + ("-straight" if straight else "")
                + (f"-{p2p}" if p2p else "") + (f"-accum{accum}" if accum else "") + ("-busy" if busy else "")
-               + ("-trace" if trace else ""))
+               + ("-shard" if shard else "") + ("-trace" if trace else ""))
         name = (f"pipeflow {schedule}" + (" (large model)" if big else "")
                 + (f", {GRAINS[grain]} layers" if grain else ""))
         flags = ["--schedule", schedule] + (["--warmup", warmup] if warmup else [])
@@ -336,7 +339,7 @@ class Bench:
             kind = ("big" if big else "gpt") + (f"-{grain}" if grain else "")
             prof = self.profile(cfg, mb, kind, sizes=sizes, timing=timing, accum=accum, busy=busy)
             path, shown = (self.plan(prof, schedule, m, split, tag, mem_gib=mem_gib, global_batch=sizes is not None,
-                                     warmup=warmup, straight=straight)
+                                     warmup=warmup, straight=straight, shard=shard)
                            if prof else (None, "no profile"))
             if path is None:
                 if split == "plan":
@@ -384,6 +387,8 @@ class Bench:
             how += f", --warmup {warmup}"
         if straight:
             how += ", --straight"
+        if shard:
+            how += ", --shard-optimizer"
         if p2p:
             how += f", PIPEFLOW_P2P={p2p}"
         if accum:
@@ -459,9 +464,9 @@ class Bench:
                     warm = [x[7:] for x in extra if x.startswith("warmup=")]
                     p2p = [x[4:] for x in extra if x.startswith("p2p=")]
                     accum = [x[6:] for x in extra if x.startswith("accum=")]
-                    bad = [x for x in extra if x not in (*GRAINS, "trace", "cal", "straight", "busy", *TIMED)
+                    bad = [x for x in extra if x not in (*GRAINS, "trace", "cal", "straight", "shard", "busy", *TIMED)
                            and not x.startswith(("mem=", "warmup=")) and x not in P2P_WORDS + ACCUM_WORDS]
-                    if (bad or ((mem or "straight" in extra) and w[4] != "plan")
+                    if (bad or ((mem or {"straight", "shard"} & set(extra)) and w[4] != "plan")
                             or (w[4] == "spot" and {"cal", "busy", *TIMED} & set(extra))
                             or len(set(TIMED) & set(extra)) > 1 or len(set(GRAINS) & set(extra)) > 1
                             or len(warm) > 1 or len(p2p) > 1 or len(accum) > 1):
@@ -469,10 +474,11 @@ class Bench:
                                          f"'busy', one of "
                                          f"{', '.join(TIMED)} (not with 'spot'), 'warmup=W', one of "
                                          f"{', '.join(P2P_WORDS)}, one of {', '.join(ACCUM_WORDS)} and, with "
-                                         f"'plan', 'mem=GIB' and 'straight'; found {' '.join(extra)!r}")
+                                         f"'plan', 'mem=GIB', 'straight' and 'shard'; found {' '.join(extra)!r}")
                     self.pf(w[1], int(w[2]), int(w[3]), w[4], big=w[0] == "big", grain=_grain(extra),
                             mem_gib=mem[0] if mem else None, trace="trace" in extra, cal="cal" in extra,
                             timing=_timing(extra), warmup=warm[0] if warm else None, straight="straight" in extra,
+                            shard="shard" in extra,
                             p2p=p2p[0] if p2p else None, accum=accum[0] if accum else None, busy="busy" in extra)
                 elif w[0] == "gb":
                     extra = w[3:]
