@@ -74,7 +74,7 @@ class Engine:
         self._logged_peak = 0
         st = plan.stages[self.s]
         self.shard = sharded(self._parameters, st.replicas, self.r, self.replica_groups.get(tuple(st.ranks)),
-                             st.ranks) if shard_optimizer else None  # --shard-optimizer (ZeRO stage 1)
+                             st.ranks) if shard_optimizer or plan.shard_optimizer else None  # ZeRO stage 1
         self.optimizer = optimizer_factory(self.shard.owned if self.shard else self.parameters())
         self.tie_reducers, self.reducers = make_reducers(self.stages, self.ties, links, st.ranks, self.kind)
         self.policy: WeightHooks = WeightPolicy()
