@@ -20,6 +20,7 @@ from pipeflow.comm import World, nccl_p2p_options, new_group, new_groups
 from pipeflow.kinds import ScheduleKind
 from pipeflow.reduce import GradReducer, Tie
 from pipeflow.stage import Stage
+from pipeflow.tensorops import LARGE
 from pipeflow.turns import Turns
 
 log = logging.getLogger(__name__)
@@ -176,7 +177,8 @@ def make_reducers(stages: dict[int, Stage], ties: list[Tie], links: Links, ranks
     # scale each microbatch's loss by 1/m, so the sum is already the minibatch mean. Several chunks: each
     # reduces in finish(), in chunk order, the same on every replica.
     return tie_reducers, {k: GradReducer([p for p in c.parameters() if id(p) not in tied], group,
-                                         average=kind.mean_over_replicas, overlap=len(chunks) == 1)
+                                         average=kind.mean_over_replicas, overlap=len(chunks) == 1,
+                                         large=inplace_elements())
                           for k, c in stages.items()}
 
 
@@ -191,6 +193,17 @@ def p2p_max_ctas(environ: Mapping[str, str] = os.environ) -> int:
         raise ValueError(f"PIPEFLOW_P2P_MAX_CTAS must be an integer >= 0 (CTAs per NCCL point-to-point channel; "
                          f"0: NCCL's choice), found {text!r}")
     return ctas
+
+
+def inplace_elements(environ: Mapping[str, str] = os.environ) -> int:
+    """PIPEFLOW_REDUCE_INPLACE: gradients of at least this many elements are all-reduced in place, the smaller
+    ones in flat buckets (reduce.GradReducer); default 2^20, as tensorops.LARGE."""
+    text = environ.get("PIPEFLOW_REDUCE_INPLACE", str(LARGE))
+    n = int(text) if text.isdigit() else 0
+    if n < 1:
+        raise ValueError(f"PIPEFLOW_REDUCE_INPLACE must be an integer >= 1 (elements from which a gradient is "
+                         f"all-reduced in place), found {text!r}")
+    return n
 
 
 def p2p_group_options(backend: str) -> Any:

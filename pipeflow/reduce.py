@@ -12,6 +12,7 @@ from torch import nn
 
 from pipeflow.comm import all_reduce, group_size
 from pipeflow.split import LINEAR_NODE
+from pipeflow.tensorops import LARGE
 
 
 class GradReducer:
@@ -34,15 +35,27 @@ class GradReducer:
     the backward) or holds a Python autograd Function (other than split.py's Linear), which may run nested
     backwards (reentrant checkpointing) that accumulate into parameters outside that count, any number of
     times. With `overlap=False` (tied parameters) everything launches in `finish()`.
+
+    A parameter of at least `large` elements is a bucket of its own, reduced in place in its .grad (zeros where
+    this member has none): copying every gradient into flat buckets held a second copy of all of them until
+    the STEP, 19 GiB more per rank for the 10.3 B GPT's data parallelism on 2 H200s (benchmarks/gpu/README.md).
+    Its presence flag travels in one small all-reduce of all such flags, issued in `finish()` and read (a
+    device sync) only where this member had no gradient.
     """
 
     def __init__(self, params: list[nn.Parameter], group: Any, *, average: bool = False,
-                 bucket_bytes: int = 25 << 20, overlap: bool = True) -> None:
+                 bucket_bytes: int = 25 << 20, overlap: bool = True, large: int = LARGE) -> None:
         self.group = group
         self.average = average
         self.buckets: list[list[nn.Parameter]] = []
+        self.alone: dict[int, int] = {}  # bucket -> its index among the in-place ones (a large parameter)
         size = bucket_bytes + 1
         for p in reversed([p for p in params if p.requires_grad]):
+            if p.numel() >= large:
+                self.alone[len(self.buckets)] = len(self.alone)
+                self.buckets.append([p])
+                size = bucket_bytes + 1
+                continue
             if size > bucket_bytes:
                 self.buckets.append([])
                 size = 0
@@ -51,7 +64,8 @@ class GradReducer:
         self.bucket_of = {p: b for b, ps in enumerate(self.buckets) for p in ps}
         self.waiting = [0] * len(self.buckets)  # expected parameters of each bucket not final yet
         self.next = 0
-        self.works: list[tuple[Any, torch.Tensor, int, bool]] = []  # (work, flat, bucket, all present here)
+        self.works: list[tuple[Any, torch.Tensor | None, int, bool]] = []  # (work, flat, bucket, all present here)
+        self.absent: list[int] = []  # in-place buckets whose parameter had no gradient here this step
         self.armed = False
         self.overlap = overlap
         self.hooks: list[Any] = []  # registered only while armed: a hooked weight's GEMM leaves .grad to autograd
@@ -92,6 +106,13 @@ class GradReducer:
 
     def _launch(self, b: int) -> None:
         ps = self.buckets[b]
+        if b in self.alone:
+            p = ps[0]
+            if p.grad is None:
+                self.absent.append(b)
+                p.grad = torch.zeros_like(p)  # what this member adds to the sum
+            self.works.append((all_reduce(p.grad, self.group, async_op=True), None, b, b not in self.absent))
+            return
         grads = [p.grad for p in ps]
         ref = next((g for g in grads if g is not None), ps[0])
         # Presence flags filled on the device: torch.tensor(list) would copy from the host and sync.
@@ -112,9 +133,18 @@ class GradReducer:
             self._launch(self.next)
             self.next += 1
         scale = 1.0 / group_size(self.group) if self.average else None
+        present = self._presence()
         for work, flat, b, here in self.works:
             work.wait()
             ps = self.buckets[b]
+            if flat is None:  # reduced in place
+                g = ps[0].grad
+                assert g is not None
+                if scale is not None:
+                    g.mul_(scale)
+                if not here and not present()[self.alone[b]]:
+                    ps[0].grad = None  # no member had one
+                continue
             total = sum(p.numel() for p in ps)
             if scale is not None:
                 flat[:total].mul_(scale)
@@ -133,7 +163,26 @@ class GradReducer:
                     p.grad = None
                 offset += n
         self.works.clear()
+        self.absent.clear()
         self.next = 0
+
+    def _presence(self) -> Any:
+        """All-reduce the in-place buckets' presence flags (every member, every step, in the same order) and
+        return a function reading them as bools (a device sync, made once and only if called)."""
+        if not self.alone:
+            return lambda: []
+        ref = self.buckets[next(iter(self.alone))][0]
+        flags = torch.ones(len(self.alone), dtype=torch.float32, device=ref.device)
+        for b in self.absent:
+            flags[self.alone[b]].zero_()
+        all_reduce(flags, self.group, async_op=True).wait()  # on a GPU: the stream waits, not the host
+        read: list[list[bool]] = []
+
+        def present() -> list[bool]:
+            if not read:
+                read.append([bool(x) for x in flags.tolist()])
+            return read[0]
+        return present
 
 
 def _graph_leaves(roots: Iterable[torch.Tensor]) -> tuple[set[int], bool]:

@@ -70,6 +70,26 @@ def unused(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64) 
     return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
 
 
+class Sometimes(nn.Module):
+    """Adds `extra` on the microbatches whose draw (torch's generator, seeded per microbatch and layer) is under
+    a half: in a step, one replica of its stage may hold a gradient of `extra` while another holds none."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.extra = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        return h + self.extra if float(torch.rand(())) < 0.5 else h
+
+
+def sometimes(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
+    """Layers: input, a layer whose parameter `1.extra` only some microbatches use, output."""
+    layers: list[nn.Module] = [Inp(d_in, hidden), Sometimes(hidden), Out(hidden, classes)]
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
+
+
 def twice(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
     """Layers: input, a Linear applied twice under reentrant checkpointing, output."""
     layers: list[nn.Module] = [Inp(d_in, hidden), Twice(hidden), Out(hidden, classes)]

@@ -55,9 +55,11 @@ def nan_data_mlp(**kw: int) -> ModelSpec:
                                          "point-to-point channel; 0: NCCL's choice), found 'x'"),
     ([], {"PIPEFLOW_P2P_MAX_CTAS": "-2"}, "PIPEFLOW_P2P_MAX_CTAS must be an integer >= 0"),
     ([], {"PIPEFLOW_STACK_DUMP_S": "soon"}, "PIPEFLOW_STACK_DUMP_S must be a number of seconds > 0, found 'soon'"),
+    ([], {"PIPEFLOW_REDUCE_INPLACE": "0"}, "PIPEFLOW_REDUCE_INPLACE must be an integer >= 1 (elements from which a "
+                                           "gradient is all-reduced in place), found '0'"),
 ])
 def test_bad_flags_and_environment_are_refused_in_one_line(monkeypatch, argv, env, message):
-    for name in ("PIPEFLOW_LOG", "PIPEFLOW_P2P_MAX_CTAS", "PIPEFLOW_STACK_DUMP_S"):
+    for name in ("PIPEFLOW_LOG", "PIPEFLOW_P2P_MAX_CTAS", "PIPEFLOW_STACK_DUMP_S", "PIPEFLOW_REDUCE_INPLACE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)

@@ -18,9 +18,11 @@ STEPS, M, B = 3, 5, 2  # m=5 is not a multiple of the replica counts: replicas g
 def replicated(d: Path, schedule: str, stages: list[tuple[int, int]]) -> Case:
     plan = d / "plan.json"
     np_ = write_plan(plan, schedule, M, stages)
+    # 1f1b: every gradient all-reduced in place (reduce.py, PIPEFLOW_REDUCE_INPLACE); gpipe: the small ones bucketed
     return Case(np_, ["--model", "mlp", "--model-args", json.dumps(MLP), "--plan", str(plan),
                       "--steps", str(STEPS), "--microbatch-size", str(B), "--optimizer", "sgd", "--lr", "0.05",
-                      "--dtype", "float64", "--device", "cpu", "--save", str(d / "model.pt")])
+                      "--dtype", "float64", "--device", "cpu", "--save", str(d / "model.pt")],
+                env={"PIPEFLOW_REDUCE_INPLACE": "1"} if schedule == "1f1b" else {})
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

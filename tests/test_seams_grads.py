@@ -69,16 +69,20 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
 # ------------------------------------------------------------------ item 2: replicas and missing gradients
 
 
-def unused_param(d: Path, optimizer: str) -> Case:
+def unused_param(d: Path, optimizer: str, inplace: bool) -> Case:
     lr = 0.05 if optimizer == "sgd" else 0.01
     flags = ["--optimizer", optimizer, "--lr", str(lr), "--weight-decay", "0.1"]
     flags += ["--momentum", "0.9"] if optimizer == "sgd" else []
-    return train(d, "tests.models_grads:unused", SMALL, [(1, 1), (2, 2)], schedule="1f1b", m=4, steps=3, extra=flags)
+    case = train(d, "tests.models_grads:unused", SMALL, [(1, 1), (2, 2)], schedule="1f1b", m=4, steps=3, extra=flags)
+    if inplace:  # every gradient all-reduced in place (reduce.py), its presence in the flags' own all-reduce
+        case.env["PIPEFLOW_REDUCE_INPLACE"] = "1"
+    return case
 
 
+@pytest.mark.parametrize("inplace", [False, True], ids=["buckets", "in-place"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @batched(unused_param)
-def test_parameter_without_gradient_is_left_alone_by_replicas(mpi: MpiRun, optimizer):
+def test_parameter_without_gradient_is_left_alone_by_replicas(mpi: MpiRun, optimizer, inplace):
     """`1.spare` is in a replicated stage but in no forward: momentum, weight decay and AdamW must not move
     it (a zero-filled gradient did: 0.0096 after 3 steps), every other parameter trains as in one process."""
     lr = 0.05 if optimizer == "sgd" else 0.01
@@ -90,6 +94,34 @@ def test_parameter_without_gradient_is_left_alone_by_replicas(mpi: MpiRun, optim
     for k in ("1.spare.weight", "1.spare.bias"):
         assert torch.equal(got[k], initial[k]), k
     assert not torch.equal(got["1.fc.weight"], initial["1.fc.weight"])
+
+
+def sometimes_used(d: Path, inplace: bool) -> Case:
+    case = train(d, "tests.models_grads:sometimes", SMALL, [(1, 1), (2, 2)], schedule="1f1b", m=4, steps=6,
+                 extra=["--optimizer", "adam", "--lr", "0.01"])
+    if inplace:
+        case.env["PIPEFLOW_REDUCE_INPLACE"] = "1"
+    return case
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["buckets", "in-place"])
+@batched(sometimes_used)
+def test_a_gradient_one_replica_holds_and_another_not_is_their_sum(mpi: MpiRun, inplace):
+    """`1.extra` is used by some microbatches only (a draw per microbatch and layer): in some steps one replica
+    has its gradient and the other none, which adds nothing; in steps where no microbatch used it, Adam must
+    leave it alone (a zero gradient would move it by its moments). Both reductions (flat buckets, in place)
+    train as one process."""
+    from pipeflow.stage import layer_seed
+
+    want = reference_flush("tests.models_grads:sometimes", SMALL, steps=6, microbatches=4, microbatch_size=B,
+                           optimizer="adam", lr=0.01)
+    assert_same(saved(mpi), want)
+    draws = []
+    for t in range(24):  # the draws the runtime makes: global microbatch t, layer 1 (stage.layer_seed)
+        torch.manual_seed(layer_seed(0, t, 1))
+        draws.append(float(torch.rand(())) < 0.5)
+    by_replica = [[any(draws[s * 4 + i] for i in range(4) if i % 2 == q) for q in (0, 1)] for s in range(6)]
+    assert [True, False] in by_replica or [False, True] in by_replica  # the case this test is for occurs
 
 
 def accumulated_twice(d: Path) -> Case:
@@ -262,8 +294,10 @@ def test_sends_held_do_not_grow_with_microbatches(mpi: MpiRun):
 
 
 def async_replicas(d: Path) -> Case:
-    return train(d, "mlp", MLP, [(6, 2)], schedule="async", m=2, steps=3,
+    case = train(d, "mlp", MLP, [(6, 2)], schedule="async", m=2, steps=3,
                  extra=["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"])
+    case.env["PIPEFLOW_REDUCE_INPLACE"] = "1"  # the mean taken in place (reduce.py)
+    return case
 
 
 @batched(async_replicas)
