@@ -38,7 +38,8 @@ class GradReducer:
 
     A parameter of at least `large` elements is a bucket of its own, reduced in place in its .grad (zeros where
     this member has none): copying every gradient into flat buckets held a second copy of all of them until
-    the STEP, 19 GiB more per rank for the 10.3 B GPT's data parallelism on 2 H200s (benchmarks/gpu/README.md).
+    the STEP: 19.2 GiB per rank for the 10.3 B GPT's data parallelism, what its measured peak (96.3 GiB on 2
+    H200s) exceeded the planner's (83.6, which counts no such copy) by with its activations freed by then.
     Its presence flag travels in one small all-reduce of all such flags, issued in `finish()` and read (a
     device sync) only where this member had no gradient.
     """
