@@ -3,7 +3,7 @@
 Without it every replica of a stage keeps the optimizer state of all the stage's parameters and runs the whole
 update on gradients the all-reduce made identical: r copies of the same work. With `--shard-optimizer` each
 parameter has one owner among the replicas; only the owner holds its optimizer state and updates it, then
-sends the new weights to the other replicas (a broadcast per owner, in buckets). Elementwise optimizers
+sends the new weights to the other replicas (large tensors in place, the others in buckets). Elementwise optimizers
 (SGD, Adam, AdamW: what pipeflow-train builds) compute each parameter's update from its own gradient and state
 alone, so the weights are the same as without sharding, bit for bit. Checkpoints gather the state back
 (checkpoint.py), so a file holds every parameter's state either way.
@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from pipeflow.comm import broadcast
+from pipeflow.tensorops import LARGE  # elements from which a tensor is broadcast alone, in place
 
 log = logging.getLogger(__name__)
 
 BUCKET_BYTES = 64 << 20  # bytes per broadcast of small tensors: bounds the flat buffer each one needs
-LARGE = 1 << 20  # elements from which a tensor is broadcast alone, in place (as tensorops.copy_weights copies)
 
 
 def owners(sizes: Sequence[int], replicas: int) -> list[int]:
