@@ -112,6 +112,8 @@ class GradReducer:
             if p.grad is None:
                 self.absent.append(b)
                 p.grad = torch.zeros_like(p)  # what this member adds to the sum
+            elif not p.grad.is_contiguous():  # a collective takes contiguous tensors
+                p.grad = p.grad.contiguous()
             self.works.append((all_reduce(p.grad, self.group, async_op=True), None, b, b not in self.absent))
             return
         grads = [p.grad for p in ps]
