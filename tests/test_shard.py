@@ -17,7 +17,8 @@ from tests.conftest import Case, MpiRun, batched
 GPT = {"layers": 2, "d_model": 16, "heads": 2, "seq_len": 8, "vocab": 256}
 MLP = {"layers": 6, "hidden": 16, "d_in": 8, "samples": 256}
 WIDE = {"layers": 3, "hidden": 1024, "d_in": 8, "samples": 64}  # 1024 x 1024 weights: broadcast in place (LARGE)
-MODELS = {"gpt": ("gpt", GPT), "mlp": ("mlp", MLP), "mlp-wide": ("mlp", WIDE)}
+MODELS = {"gpt": ("gpt", GPT), "mlp": ("mlp", MLP), "mlp-wide": ("mlp", WIDE),
+          "gpt-tied": ("gpt", {**GPT, "tie": True})}  # the head's weight is the embedding's, on two stages
 
 
 def test_owners_balance_the_bytes_and_agree_on_every_replica() -> None:
@@ -68,6 +69,7 @@ KINDS = {  # a pipeline of two replicated stages, and data parallelism under the
     "2bw-dp": ("mlp", "2bw", [((0, 6), [0, 1])]),
     "async-dp": ("mlp", "async", [((0, 6), [0, 1])]),
     "interleaved": ("mlp", "interleaved", [((0, 2), [0, 1]), ((2, 4), [2, 3]), ((4, 5), [0, 1]), ((5, 6), [2, 3])]),
+    "1f1b-tied": ("gpt-tied", "1f1b", [((0, 2), [0, 1]), ((2, 4), [2, 3])]),  # one Parameter, two owners' groups
     "1f1b-wide": ("mlp-wide", "1f1b", [((0, 3), [0, 1])]),  # large tensors in place, small ones in buckets
     "2bw-wide": ("mlp-wide", "2bw", [((0, 3), [0, 1])]),  # the same, deferred under the next minibatch
 }
