@@ -109,12 +109,13 @@ class GradReducer:
         ps = self.buckets[b]
         if b in self.alone:
             p = ps[0]
+            here = p.grad is not None
             if p.grad is None:
                 self.absent.append(b)
                 p.grad = torch.zeros_like(p)  # what this member adds to the sum
             elif not p.grad.is_contiguous():  # a collective takes contiguous tensors
                 p.grad = p.grad.contiguous()
-            self.works.append((all_reduce(p.grad, self.group, async_op=True), None, b, b not in self.absent))
+            self.works.append((all_reduce(p.grad, self.group, async_op=True), None, b, here))
             return
         grads = [p.grad for p in ps]
         ref = next((g for g in grads if g is not None), ps[0])
@@ -136,7 +137,8 @@ class GradReducer:
             self._launch(self.next)
             self.next += 1
         scale = 1.0 / group_size(self.group) if self.average else None
-        present = self._presence()
+        flags = self._presence()
+        seen: list[float] = []  # the flags, read (a device sync) at the first absent in-place gradient
         for work, flat, b, here in self.works:
             work.wait()
             ps = self.buckets[b]
@@ -145,8 +147,11 @@ class GradReducer:
                 assert g is not None
                 if scale is not None:
                     g.mul_(scale)
-                if not here and not present()[self.alone[b]]:
-                    ps[0].grad = None  # no member had one
+                if not here:
+                    assert flags is not None  # an in-place bucket: its flags were all-reduced
+                    seen = seen or flags.tolist()
+                    if not seen[self.alone[b]]:
+                        ps[0].grad = None  # no member had one
                 continue
             total = sum(p.numel() for p in ps)
             if scale is not None:
@@ -169,23 +174,17 @@ class GradReducer:
         self.absent.clear()
         self.next = 0
 
-    def _presence(self) -> Any:
-        """All-reduce the in-place buckets' presence flags (every member, every step, in the same order) and
-        return a function reading them as bools (a device sync, made once and only if called)."""
+    def _presence(self) -> torch.Tensor | None:
+        """The in-place buckets' presence flags summed over the group (every member, every step, in the same
+        order), on the device, unread; None without such buckets."""
         if not self.alone:
-            return lambda: []
+            return None
         ref = self.buckets[next(iter(self.alone))][0]
         flags = torch.ones(len(self.alone), dtype=torch.float32, device=ref.device)
         for b in self.absent:
             flags[self.alone[b]].zero_()
         all_reduce(flags, self.group, async_op=True).wait()  # on a GPU: the stream waits, not the host
-        read: list[list[bool]] = []
-
-        def present() -> list[bool]:
-            if not read:
-                read.append([bool(x) for x in flags.tolist()])
-            return read[0]
-        return present
+        return flags
 
 
 def _graph_leaves(roots: Iterable[torch.Tensor]) -> tuple[set[int], bool]:

@@ -23,11 +23,16 @@ class Embedding(nn.Module):
         return self.drop(self.tok(idx) + self.pos(torch.arange(t, device=idx.device)))
 
 
+def check_heads(d_model: int, heads: int) -> None:
+    """Attention splits d_model over its heads (Block, Attention, AttentionCore)."""
+    if d_model % heads:
+        raise ValueError(f"d_model {d_model} must be divisible by heads {heads}")
+
+
 class Block(nn.Module):
     def __init__(self, d_model: int, heads: int, dropout: float = 0.0) -> None:
         super().__init__()
-        if d_model % heads:
-            raise ValueError(f"d_model {d_model} must be divisible by heads {heads}")
+        check_heads(d_model, heads)
         self.heads = heads
         self.dropout = dropout  # nanoGPT's places: attention weights and both residual branches
         self.drop = nn.Dropout(dropout)
@@ -48,8 +53,7 @@ class Attention(nn.Module):
 
     def __init__(self, d_model: int, heads: int, dropout: float = 0.0) -> None:
         super().__init__()
-        if d_model % heads:
-            raise ValueError(f"d_model {d_model} must be divisible by heads {heads}")
+        check_heads(d_model, heads)
         self.heads, self.dropout = heads, dropout
         self.drop = nn.Dropout(dropout)
         self.ln1 = nn.LayerNorm(d_model)
@@ -100,8 +104,7 @@ class AttentionCore(nn.Module):
 
     def __init__(self, d_model: int, heads: int, dropout: float = 0.0) -> None:
         super().__init__()
-        if d_model % heads:
-            raise ValueError(f"d_model {d_model} must be divisible by heads {heads}")
+        check_heads(d_model, heads)
         self.heads, self.dropout = heads, dropout
         self.ln1 = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
