@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from partitioner.topology import Topology
-from pipeflow.kinds import SCHEDULES, InFlight, ScheduleKind, schedule_kind, zero_bubble_limit
+from pipeflow.kinds import SCHEDULES, InFlight, ScheduleKind, Weights, schedule_kind, zero_bubble_limit
 
 OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2}  # momentum; exp_avg + exp_avg_sq
 INF = float("inf")
@@ -179,7 +179,7 @@ class CostModel:
         b = self.Bw[k] - self.Bw[i] + self.layers.stage_overhead_ms(i, k)[1]
         exposed = np.maximum(0.0, self.allreduce_ms(p, r, level) - b)
         if level == 0:
-            exposed = exposed + self.update_ms(p, r, level)
+            exposed = exposed + self.update_ms(p, r, level, last=np.asarray(k) == self.num_layers)
         busy = np.asarray(unit_ms) * (self.share(r) / self.microbatches)
         if self.kind.flush and level == len(self.topology.levels) - 1:
             out = self._flushed(busy, i, k, r, b, exposed)
@@ -191,17 +191,20 @@ class CostModel:
             out = np.where(np.asarray(r) <= self.microbatches, out, INF)
         return out
 
-    def update_ms(self, p: np.ndarray | float, r: np.ndarray | float, level: int) -> np.ndarray:
+    def update_ms(self, p: np.ndarray | float, r: np.ndarray | float, level: int,
+                  last: np.ndarray | bool = False) -> np.ndarray:
         """One update of p parameter bytes on r units of `level`: the step over p, or with a sharded optimizer a
         1/r share of it (each replica's, at most as many as the topology's groups of this level hold) and the
-        broadcast of the other (r - 1)/r of the weights where it does not overlap the next minibatch
-        (pipeflow/shard.py; outer levels' share: the simulator)."""
+        broadcast of the other (r - 1)/r of the weights where it does not overlap the next minibatch (2bw's
+        stages but the `last`, ScheduleKind.broadcast_overlaps; pipeflow/shard.py; outer levels' share: the
+        simulator)."""
         lay = self.layers
         if not lay.shard_optimizer:
             return np.asarray(lay.optimizer_ms_per_byte * p + lay.update_ms)
         r = np.asarray(r, dtype=np.float64)
         most = r * (self.topology.workers // self.topology.unit_size(level + 1))
-        sent = 0.0 if self.kind.broadcast_overlaps else (r - 1) / r * p / self.bw(level)
+        overlaps = self.kind.weights is Weights.DOUBLE_BUFFER  # 2bw: every stage but the last runs ahead
+        sent = np.where(overlaps & ~np.asarray(last), 0.0, (r - 1) / r * p / self.bw(level))
         return lay.optimizer_ms_per_byte * p / most + lay.update_ms + sent
 
     def _flushed(self, busy: np.ndarray, i: np.ndarray | int, k: np.ndarray | int, r: np.ndarray | float,
@@ -244,7 +247,8 @@ class CostModel:
         p = self.P[j] - self.P[i]
         fl = self.in_flight(downstream, r)
         states = OPTIMIZER_STATES[self.optimizer] / (np.asarray(r) if self.layers.shard_optimizer else 1)
-        return (p * (2 + states + self.kind.stashed_versions(fl))
+        share = 1 / np.asarray(r) if self.layers.shard_optimizer else 1.0  # a deferred update's held gradient
+        return (p * (2 + states + self.kind.stashed_versions(fl, share))
                 + fl * (self.A[j] - self.A[i]) + self.layers.loss_bytes * (np.asarray(j) == self.num_layers))
 
     def outside(self, level: int) -> int:

@@ -38,14 +38,17 @@ def level_factors(ranks: Sequence[int], topology: Topology) -> list[int]:
 
 
 def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int, int]],
-                ranks: Sequence[Sequence[int]], *, scale: float = 1.0, broadcast: bool = True) -> list[StageCost]:
+                ranks: Sequence[Sequence[int]], *, scale: float = 1.0,
+                broadcast: bool | Sequence[bool] = True) -> list[StageCost]:
     """Per stage: compute (the loss on the last; the runtime's own time per action and message sent,
     LayerCosts.stage_overhead_ms), its output, a ring all-reduce 2 (r-1)/r P / B for each level its
     replicas span, the optimizer step. send_ms is for the table: one message at the bandwidth
     between the first replicas of this stage and the next (the simulator prices every pair itself). `scale`
     multiplies the layers' and the loss's times (contention_scale). With lay.shard_optimizer an update is a 1/r
-    share of the step, then (`broadcast`: where it does not overlap the next minibatch) the others' weights."""
+    share of the step, then (`broadcast`, one or per stage: where it does not overlap the next minibatch) the
+    others' weights."""
     L, out = len(lay), []
+    sends = [broadcast] * len(ranges) if isinstance(broadcast, bool) else list(broadcast)
     for t, ((a, b), rs) in enumerate(zip(ranges, ranks)):
         p = float(lay.parameter_bytes[a:b].sum())
         extra_f, extra_b = lay.stage_overhead_ms(a, b)  # the runtime's own time (costmodel, as in the DP)
@@ -59,7 +62,7 @@ def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int,
         weight = 0.0 if lay.backward_weight_ms is None else scale * float(lay.backward_weight_ms[a:b].sum())
         share = 1.0 / len(rs) if lay.shard_optimizer else 1.0  # --shard-optimizer: a 1/r share of the update,
         update = lay.optimizer_ms_per_byte * p * share + (  # then the others' weights, level by level
-            sum((f - 1) / f * p / bw for f, bw in factors) if lay.shard_optimizer and broadcast else 0.0)
+            sum((f - 1) / f * p / bw for f, bw in factors) if lay.shard_optimizer and sends[t] else 0.0)
         out.append(StageCost(fwd, scale * float(lay.backward_ms[a:b].sum()) + float(extra_b), send, ar, p,
                              float(lay.activation_bytes[a:b].sum()), update, nbytes, weight,
                              lay.latency_ms, lay.message_ms, lay.loss_bytes if b == L else 0.0, share))
@@ -86,7 +89,8 @@ def price(lay: LayerCosts, topology: Topology, schedule: str, microbatches: int,
     kind, reps = schedule_kind(schedule), [len(r) for r in ranks[:groups]]  # a rank group's replicas
 
     def run(scale: float) -> tuple[list[StageCost], SimResult]:
-        costs = stage_costs(lay, topology, ranges, ranks, scale=scale, broadcast=not kind.broadcast_overlaps)
+        costs = stage_costs(lay, topology, ranges, ranks, scale=scale,
+                            broadcast=[not kind.broadcast_overlaps(reps, t % groups) for t in range(len(ranges))])
         for s, cost in enumerate(costs[:groups]):  # the runtime's own time per update (a rank's chunks together)
             # and the weight copies an update makes the asynchronous schedules keep (ScheduleKind.copies_per_update)
             cost.optimizer_ms += lay.update_ms + lay.copy_ms_per_byte * cost.parameter_bytes * kind.copies_per_update(

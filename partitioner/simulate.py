@@ -251,7 +251,8 @@ def _stage_peaks(sched: Schedule, stages: Sequence[StageCost], peak: list[int], 
         n = max(peak[w] for w in range(len(stage_of)) if stage_of[w] == s % S)
         mine = stages[s % S::S]
         # Copies of the weights beside the live ones, as stash.py holds them (ScheduleKind.stashed_versions).
-        weights = sum(c.parameter_bytes * (2 + OPTIMIZER_STATES[optimizer] * c.state_share + kind.stashed_versions(n))
+        weights = sum(c.parameter_bytes * (2 + OPTIMIZER_STATES[optimizer] * c.state_share
+                                           + kind.stashed_versions(n, c.state_share))
                       for c in mine)
         mem.append(weights + n * max(c.activation_bytes for c in mine) + max(c.transient_bytes for c in mine))
         fl.append(n)

@@ -20,7 +20,8 @@ from pipeflow.shard import sharded
 from pipeflow.spec import ModelSpec
 from pipeflow.split import gemm_accumulation, linear_notes
 from pipeflow.stage import Stage, mark_requires_grad
-from pipeflow.stash import segment_policy
+from pipeflow.stash import defers_update, segment_policy, version_fn
+from pipeflow.update import Update
 
 log = logging.getLogger(__name__)
 
@@ -70,16 +71,20 @@ class Engine:
         links = make_links(world, plan, self.ties)
         self.replica_groups, self.loss_group = links.replica_groups, links.loss_group
         self.p2p = P2P(world, links.p2p, window=send_window(self.sched))
-        self.p2p.warm_up()
+        self.p2p.warm_up(links.reduce_keys)  # with the replicas' copy-engine channels (PIPEFLOW_REDUCE=ce)
         self._logged_peak = 0
         st = plan.stages[self.s]
         self.shard = sharded(self._parameters, st.replicas, self.r, self.replica_groups.get(tuple(st.ranks)),
                              st.ranks) if shard_optimizer or plan.shard_optimizer else None  # ZeRO stage 1
         self.optimizer = optimizer_factory(self.shard.owned if self.shard else self.parameters())
-        self.tie_reducers, self.reducers = make_reducers(self.stages, self.ties, links, st.ranks, self.kind)
+        self.tie_reducers, self.reducers = make_reducers(self.stages, self.ties, links, st.ranks, self.kind, self.p2p)
         self.policy: WeightHooks = WeightPolicy()
         if self.kind.weights is not Weights.LIVE:
             self._new_policy()
+        deferred = self.kind.weights is not Weights.LIVE and defers_update(self.actions, version_fn(
+            self.sched, self.s, minibatch=self.m, vertical_sync=vertical_sync))  # 2bw's last stage, data parallel
+        self.update = Update(self.optimizer, self.parameters(), self.shard, deferred=deferred,
+                             broadcast_overlaps=self.kind.broadcast_overlaps(self.sched.replicas, self.s))
         # Microbatches one STEP of this stage consumes (over its replicas): async steps per backward.
         self.microbatches_per_step = self.kind.microbatches_per_update(self.m, st.replicas)
         self.losses: list[torch.Tensor] = []
@@ -200,8 +205,7 @@ class Engine:
                      self.p2p.peak_pending_bytes, self.p2p.window)
         if not self.flush:
             self.policy.finish()
-            if self.shard is not None:  # a segment's end: checkpoints and --save read the weights
-                self.shard.finish()
+            self.update.drain()  # a segment's end: checkpoints and --save read the weights
 
     def _signature(self, sender: int, step: int, i: int) -> Any:
         """What the shapes of the activations model stage `sender` sends for microbatch i depend on."""
@@ -264,11 +268,7 @@ class Engine:
             if self.shard is not None:  # the last STEP's broadcast, when deferred, lands before the weights are used
                 self.shard.finish()
             self.policy.before_step()
-            if self.step_gate is None or self.step_gate():  # guard.StepGuard: non-finite updates, stop/skip
-                self.optimizer.step()
-            if self.shard is not None:  # skipped or not, on every replica: the owners' weights to the others
-                self.shard.broadcast(defer=self.kind.broadcast_overlaps)
-            self.optimizer.zero_grad(set_to_none=True)
+            self.update.step(self.step_gate)  # guard.StepGuard decides on non-finite updates (stop/skip)
             self.policy.after_step()
 
     def train_step(self, step: int) -> None:

@@ -109,32 +109,34 @@ class ScheduleKind:
         """Microbatches one STEP of a stage consumes over its replicas."""
         return replicas if self.step_per_backward else m
 
-    def stashed_versions(self, in_flight: Any) -> Any:
+    def stashed_versions(self, in_flight: Any, share: Any = 1.0) -> Any:
         """Copies of the weights kept beside the live ones at peak (memory model), for `in_flight` microbatches
         (a count or an array of them), as pipeflow/stash.py's VersionBook holds them. A forward whose backward
         comes after an update runs on a copy, taken before that forward: async holds one per microbatch in
-        flight, none on the last stage (each backward follows its forward); 2bw one on the last stage (the
-        older version) and two elsewhere (the older version, still used by the minibatch's last backwards,
-        and a copy of the live one for the next minibatch's first forwards)."""
+        flight, none on the last stage (each backward follows its forward); 2bw two where forwards run ahead
+        (the older version, still used by the minibatch's last backwards, and a copy of the live one for the
+        next minibatch's first forwards) and, on its last stage and data parallelism, no copy but the gradient
+        its deferred update holds (pipeflow/update.py): the optimizer's `share` of the weights' bytes."""
         if self.weights is Weights.STASH:
             return in_flight * (in_flight > 1)
         if self.weights is Weights.DOUBLE_BUFFER:
-            return 1 + (in_flight > 1)
+            return 2 * (in_flight > 1) + share * (in_flight <= 1)
         return 0
 
-    @property
-    def broadcast_overlaps(self) -> bool:
-        """--shard-optimizer (pipeflow/shard.py): the owners' new weights travel under the next minibatch (2bw runs
-        it on the stashed version and reads the live weights only at the next STEP); else they land in the STEP."""
-        return self.weights is Weights.DOUBLE_BUFFER
+    def broadcast_overlaps(self, replicas: Sequence[int], stage: int) -> bool:
+        """--shard-optimizer (pipeflow/shard.py): the owners' new weights travel under the next minibatch where 2bw
+        runs it on a stashed version and reads the live weights only at the next STEP (forwards run ahead: the
+        stage's warm-up); else, as on its last stage and data parallelism (deferred updates), in the STEP."""
+        return self.weights is Weights.DOUBLE_BUFFER and warmup_forwards(replicas, stage) > 0
 
     def copies_per_update(self, replicas: Sequence[int], stage: int) -> int:
         """Weight copies `stage` takes per optimizer update in the steady state (pipeflow/stash.py's VersionBook):
-        async one where forwards run ahead of their backwards (the version a later backward needs, which the
-        update overwrites), none on the last stage; 2bw one per minibatch on every stage; the others none."""
-        if self.weights is Weights.STASH:
-            return int(warmup_forwards(replicas, stage) > 0)
-        return int(self.weights is Weights.DOUBLE_BUFFER)
+        one where forwards run ahead of their backwards (async: the version a later backward needs, which the
+        update overwrites; 2bw: once per minibatch), none on the last stage (2bw defers its update instead,
+        pipeflow/update.py); the flush schedules none."""
+        if self.weights is Weights.LIVE:
+            return 0
+        return int(warmup_forwards(replicas, stage) > 0)
 
     def violation(self, m: int, replicas: Sequence[int], warmup: Sequence[int] | None = None) -> str | None:
         """Why this schedule cannot run stages with these replica counts at m microbatches (None: it can).

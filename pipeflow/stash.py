@@ -254,13 +254,37 @@ class StashPolicy(WeightPolicy):
                  self.book.peak, self.param_bytes)
 
 
+def defers_update(actions: list[Action], version: VersionFn) -> bool:
+    """Whether a worker can run every microbatch on its live weights by applying each update one STEP late
+    (pipeflow/update.py) instead of on copies: every forward between its k-th and (k+1)-th STEP uses version
+    max(0, k - 1), the updates applied by then, and has its backward before the (k+1)-th. So it is for 2bw's
+    last stage and data parallelism (no forward runs ahead of a minibatch's end): there the copies cost a weight
+    copy per minibatch, gradients added from the copies', and a replica all-reduce that cannot start before the
+    STEP (no hook fires on a copy's graph, reduce.py)."""
+    steps, open_ = 0, set[int]()
+    for a in actions:
+        if a.kind is Kind.STEP:
+            if open_:
+                return False
+            steps += 1
+        elif a.kind is Kind.F and a.microbatch is not None:
+            if version(a.microbatch) != max(0, steps - 1):
+                return False
+            open_.add(a.microbatch)
+        elif a.kind is Kind.B and a.microbatch is not None:
+            open_.discard(a.microbatch)
+    return True
+
+
 def segment_policy(module: nn.Module, sched: Schedule, worker: int, stage: int, *, minibatch: int,
-                   vertical_sync: bool, previous: object) -> StashPolicy:
+                   vertical_sync: bool, previous: object) -> WeightPolicy:
     """The weight policy of a segment's action list (Engine.begin_segment), reusing the previous segment's
-    free copies when there was one."""
-    policy = StashPolicy(module, sched.actions[worker], version_fn(sched, stage, minibatch=minibatch,
-                                                                  vertical_sync=vertical_sync),
-                         sched=sched, worker=worker)
+    free copies when there was one; the live weights throughout where the worker's updates are deferred
+    (defers_update)."""
+    version = version_fn(sched, stage, minibatch=minibatch, vertical_sync=vertical_sync)
+    if defers_update(sched.actions[worker], version):
+        return WeightPolicy()
+    policy = StashPolicy(module, sched.actions[worker], version, sched=sched, worker=worker)
     if isinstance(previous, StashPolicy):
         policy.pool = previous.pool + list(previous.copies.values())
         policy.allocated = previous.allocated

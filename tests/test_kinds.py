@@ -246,13 +246,15 @@ def test_the_table_and_the_ir_are_pure():
 
 
 def _held_copies(sched, m: int) -> list[int | None]:
-    """Per worker: the most weight copies the runtime's VersionBook holds, None where it refuses the list."""
-    from pipeflow.stash import simulate, version_fn
+    """Per worker: the most weight copies the runtime's VersionBook holds, None where it refuses the list; a
+    worker whose updates are deferred (pipeflow/update.py) holds no copy but one gradient, the bytes of one."""
+    from pipeflow.stash import defers_update, simulate, version_fn
 
     out: list[int | None] = []
     for w in range(len(sched.workers)):
         try:
-            out.append(simulate(sched.actions[w], version_fn(sched, sched.stage_of(w), minibatch=m)))
+            version = version_fn(sched, sched.stage_of(w), minibatch=m)
+            out.append(1 if defers_update(sched.actions[w], version) else simulate(sched.actions[w], version))
         except ScheduleError:
             out.append(None)
     return out
@@ -306,11 +308,15 @@ def test_async_copies_bound_the_runtime_s():
 def _copies_per_update(sched, m: int) -> list[float]:
     """Per worker, the weight copies its VersionBook takes per STEP over the middle third of its list (the steady
     state; a segment's first minibatches and its drain copy less)."""
-    from pipeflow.stash import VersionBook, version_fn
+    from pipeflow.stash import VersionBook, defers_update, version_fn
 
     out = []
     for w, actions in enumerate(sched.actions):
-        book = VersionBook(actions, version_fn(sched, sched.stage_of(w), minibatch=m), sched=sched, worker=w)
+        version = version_fn(sched, sched.stage_of(w), minibatch=m)
+        if defers_update(actions, version):  # the engine's choice: no copies (pipeflow/update.py)
+            out.append(0.0)
+            continue
+        book = VersionBook(actions, version, sched=sched, worker=w)
         takes: list[int] = []  # copies taken up to each STEP
         count = 0
         for a in actions:
@@ -329,8 +335,8 @@ def _copies_per_update(sched, m: int) -> list[float]:
 @pytest.mark.parametrize("name", ["async", "2bw", "1f1b"])
 def test_copies_per_update_are_the_runtime_s(name):
     """The cost model's weight copies per update (priced at the profile's copy_ms_per_byte) are those the
-    runtime's VersionBook takes in the steady state, stage by stage: async one on every stage whose forwards run
-    ahead of their backwards and none on the last, 2bw one per minibatch everywhere, flush schedules none."""
+    runtime's VersionBook takes in the steady state, stage by stage: async and 2bw one on every stage whose forwards
+    run ahead of their backwards and none on the last (2bw: its update deferred instead), flush schedules none."""
     import itertools
 
     kind = schedule_kind(name)

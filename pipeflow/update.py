@@ -1,0 +1,83 @@
+"""The optimizer update at a STEP, once the gradients are final: the step gate (guard.StepGuard), the optimizer, the
+sharded optimizer's broadcast (shard.py) and the gradients dropped; or the same one STEP late.
+
+Deferred updates (2bw's last stage and data parallelism, stash.defers_update). PipeDream-2BW runs minibatch k on
+version k - 1 of the weights. Where a worker runs no forward ahead of a minibatch's end, the update that makes
+version k need not exist before minibatch k + 1 starts: the STEP ending minibatch k applies minibatch k - 1's
+gradient (W_k = update(W_{k-1}, g_{k-1})) and holds g_k until the next STEP or the segment's end (`drain`). Each
+update is the same function of the same weights, gradient and optimizer state, in the same order, so the weights
+are those of updating at once on copies, bit for bit; but every microbatch runs on the live weights: no weight
+copy, no gradients added from a copy's, and the replicas' all-reduce starts during the last backward (a hook fires
+only on the live weights' graph, reduce.py). The held gradient takes the copy's memory (a 1/r share of it with a
+sharded optimizer: only the owned parameters' gradients are held).
+
+The gate decides on each gradient when it is final, at its own STEP (the gradient and that minibatch's losses,
+as without deferral); its outcome, and the device flag of a gate that arms the optimizer to skip on the device
+(hooks.arm_device_skip), travel with the held gradient to the update that applies it."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from pipeflow.hooks import StepGate, arm_device_skip
+from pipeflow.shard import ShardedUpdate
+
+log = logging.getLogger(__name__)
+
+
+class Update:
+    """One worker's updates: `step` at each STEP, `drain` at a segment's end (applies a held gradient)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+                 shard: ShardedUpdate | None, *, deferred: bool, broadcast_overlaps: bool) -> None:
+        self.optimizer, self.params, self.shard = optimizer, params, shard
+        self.deferred = deferred
+        # The owners' new weights travel under the next minibatch only where it runs on a stashed version.
+        self.overlap = broadcast_overlaps and not deferred
+        updated = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        self.held_mask = [id(p) in updated for p in params]  # what a deferred update holds (the owned ones)
+        self.held: tuple[list[torch.Tensor | None], bool, Any] | None = None  # (gradients, gate's outcome, flag)
+        if deferred:
+            log.info("each update applied one STEP late on the live weights: no weight copies")
+
+    def step(self, gate: StepGate | None) -> None:
+        if not self.deferred:
+            self._apply(gate is None or gate(), overlap=self.overlap)
+            return
+        fresh = [p.grad for p in self.params]
+        self._restore()  # minibatch k - 1's gradient, applied now
+        for p, g in zip(self.params, fresh):
+            p.grad = g
+        ok = gate is None or gate()  # minibatch k's gradient and losses, decided now as without deferral
+        self.held = ([g if keep else None for g, keep in zip(fresh, self.held_mask)], ok,
+                     getattr(self.optimizer, "found_inf", None))
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:  # parameters outside the optimizer (a sharded stage's others) too
+            p.grad = None
+
+    def drain(self) -> None:
+        """A segment's end: the held gradient applied (checkpoints and --save read the weights), the broadcast
+        landed."""
+        self._restore()
+        if self.shard is not None:
+            self.shard.finish()
+
+    def _restore(self) -> None:
+        if self.held is None:
+            return
+        grads, ok, flag = self.held
+        self.held = None
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        if flag is not None:
+            arm_device_skip(self.optimizer, flag)  # the flag the gate computed for this gradient
+        self._apply(ok, overlap=False)
+
+    def _apply(self, ok: bool, *, overlap: bool) -> None:
+        if ok:
+            self.optimizer.step()
+        if self.shard is not None:  # skipped or not, on every replica: the owners' weights to the others
+            self.shard.broadcast(defer=overlap)
+        self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,54 @@
+"""A deferred update (pipeflow/update.py: 2bw's last stage and data parallelism) applies each gradient one STEP
+late with its own gate outcome: the weights are those of updating at once, a STEP later, bit for bit."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from pipeflow.guard import StepGuard
+from pipeflow.signals import SignalStop
+from pipeflow.update import Update
+
+GRADS = [1.0, float("nan"), -2.0, 0.5, 3.0]  # the second update is non-finite: skipped (--skip-nonfinite)
+
+
+def _run(*, deferred: bool, lagged: bool) -> tuple[list[torch.Tensor], torch.Tensor, list[int], dict]:
+    """The weights after each STEP and after the drain, the updates the guard skipped, Adam's state."""
+    w = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    frozen = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))  # outside the optimizer (a shard's others)
+    opt = torch.optim.Adam([w], lr=0.1, fused=True)
+    stage = SimpleNamespace(parameters=lambda: [w, frozen], last=False)
+    engine = SimpleNamespace(S=1, s=0, actions=[], optimizer=opt, stage=stage, losses=[],
+                             world=SimpleNamespace(device=torch.device("cpu")), parameters=stage.parameters,
+                             holds_last=False)
+    guard = StepGuard(engine, MPI.COMM_SELF, SignalStop(), skip_nonfinite=True, agree_every_step=False)
+    guard.lagged = lagged  # a CUDA rank's fused optimizer skips on the device, armed by the gate's flag
+    update = Update(opt, [w, frozen], None, deferred=deferred, broadcast_overlaps=False)
+    after = []
+    for g in GRADS:
+        w.grad = torch.full((3,), g, dtype=torch.float64)
+        frozen.grad = torch.ones(2, dtype=torch.float64)
+        update.step(guard)
+        assert w.grad is None  # nothing left for the next minibatch to add to
+        assert (frozen.grad is None) == deferred  # held: only the optimizer's (a shard drops the others itself)
+        after.append(w.detach().clone())
+    update.drain()
+    guard.flush_pending()
+    return after, w.detach().clone(), guard.skipped, {k: v.clone() for k, v in opt.state[w].items()}
+
+
+@pytest.mark.parametrize("lagged", [False, True])
+def test_a_deferred_update_is_the_same_update_a_step_late(lagged: bool) -> None:
+    at_once, final_at_once, skipped_at_once, state_at_once = _run(deferred=False, lagged=lagged)
+    late, final_late, skipped_late, state_late = _run(deferred=True, lagged=lagged)
+    assert torch.equal(late[0], torch.ones(3, dtype=torch.float64))  # the first STEP applies nothing
+    for k in range(1, len(GRADS)):
+        assert torch.equal(late[k], at_once[k - 1]), k  # STEP k applies minibatch k - 1's gradient
+    assert torch.equal(final_late, final_at_once)  # the drain applies the last one
+    assert skipped_late == skipped_at_once == [1]  # the non-finite update, and only it, skipped in both
+    assert state_late.keys() == state_at_once.keys()
+    assert all(torch.equal(state_late[k], state_at_once[k]) for k in state_at_once)
+    assert torch.equal(at_once[1], at_once[0])  # the skip left the weights as they were
