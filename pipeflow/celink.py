@@ -37,7 +37,7 @@ cuda: Any = torch.cuda  # streams and events (tests/test_celink.py replays the p
 
 SLOTS = 4  # messages a channel holds before its sender's stream waits for the receiver's pulls
 ALIGN = 256
-Key = tuple[int, int, str]  # (sender, receiver, "F" | "B" | "R")
+Key = tuple[int, int, str]  # (sender, receiver, "F" | "B")
 
 
 class Rank(Protocol):
@@ -220,54 +220,3 @@ class CopyEngines:
         for addr in self.pages:
             (cudadrv.ipc_close if addr < 0 else cudadrv.free)(abs(addr))
         self.pages = []
-
-
-class PairSum:
-    """The replicas' all-reduce where they are two peer GPUs (PIPEFLOW_REDUCE=ce, reduce.GradReducer): each sends its
-    tensor to the other on its channel (me, peer, "R") and adds the one it pulls, on the pulling channel's stream,
-    so that no kernel waits for a transfer. NCCL's all-reduce, resident beside the last backward, made it 3% slower
-    on 2 x H200 whatever its channels (benchmarks/gpu/README.md). a + b and b + a round alike: both replicas hold
-    the same sum, the one NCCL's two-rank all-reduce gives."""
-
-    def __init__(self, engines: CopyEngines, me: int, peer: int) -> None:
-        self.engines, self.out, self.into = engines, (me, peer, "R"), (peer, me, "R")
-
-    def __call__(self, t: torch.Tensor) -> Summed:
-        sent = self.engines.send(self.out, [t])
-        buf = torch.empty_like(t)  # on the compute stream; the pull waits for it (CopyEngines._pull)
-        return Summed(t, buf, sent, self.engines.recv(self.into, [buf]), self.engines.ends[self.into].stream)
-
-
-class Summed:
-    """A PairSum in flight, like a torch.distributed work: wait() makes the current stream wait for the sum in
-    place (the host never waits). The add is queued once the pull is: at once, or at wait() where the peer's ring
-    was not known yet (the first messages)."""
-
-    def __init__(self, t: torch.Tensor, buf: torch.Tensor, sent: Work, got: Work, stream: Any) -> None:
-        self.t, self.sent, self.got, self.stream = t, sent, got, stream
-        self.buf: torch.Tensor | None = buf
-        self.event: Any = None
-        if got.event is not None:
-            self._add()
-
-    def _add(self) -> None:
-        if self.got.post is not None:
-            self.got.post()
-        assert self.sent.event is not None and self.buf is not None
-        self.stream.wait_event(self.sent.event)  # this tensor is copied out before it is added to
-        add_on(self.stream, self.t, self.buf)  # after the pull, on its stream
-        self.buf = None
-        self.event = cuda.Event()
-        self.event.record(self.stream)
-
-    def wait(self) -> None:
-        if self.event is None:
-            self._add()
-        cuda.current_stream().wait_event(self.event)
-
-
-def add_on(stream: Any, t: torch.Tensor, buf: torch.Tensor) -> None:
-    """t += buf on `stream`; buf is freed once that has run, not when the compute stream gets there."""
-    with cuda.stream(stream):
-        t.add_(buf)
-    buf.record_stream(stream)

@@ -71,13 +71,13 @@ class Engine:
         links = make_links(world, plan, self.ties)
         self.replica_groups, self.loss_group = links.replica_groups, links.loss_group
         self.p2p = P2P(world, links.p2p, window=send_window(self.sched))
-        self.p2p.warm_up(links.reduce_keys)  # with the replicas' copy-engine channels (PIPEFLOW_REDUCE=ce)
+        self.p2p.warm_up()
         self._logged_peak = 0
         st = plan.stages[self.s]
         self.shard = sharded(self._parameters, st.replicas, self.r, self.replica_groups.get(tuple(st.ranks)),
                              st.ranks) if shard_optimizer or plan.shard_optimizer else None  # ZeRO stage 1
         self.optimizer = optimizer_factory(self.shard.owned if self.shard else self.parameters())
-        self.tie_reducers, self.reducers = make_reducers(self.stages, self.ties, links, st.ranks, self.kind, self.p2p)
+        self.tie_reducers, self.reducers = make_reducers(self.stages, self.ties, links, st.ranks, self.kind)
         self.policy: WeightHooks = WeightPolicy()
         if self.kind.weights is not Weights.LIVE:
             self._new_policy()

@@ -16,9 +16,7 @@ import torch
 
 from partitioner.plan import Plan
 from pipeflow.actions import Action, Kind, Schedule
-from pipeflow.celink import PairSum
-from pipeflow.cesetup import reduce_transport
-from pipeflow.comm import P2P, World, nccl_p2p_options, new_group, new_groups
+from pipeflow.comm import World, nccl_p2p_options, new_group, new_groups
 from pipeflow.kinds import ScheduleKind
 from pipeflow.reduce import GradReducer, Tie
 from pipeflow.stage import Stage
@@ -34,8 +32,6 @@ class Links:
     replica_groups: dict[tuple[int, ...], Any]  # a replicated group's ranks -> its group
     loss_group: Any  # the last stage's replicas (they sum the loss), or None
     tie_groups: dict[tuple[int, ...], Any]  # ranks holding a tied parameter -> their group
-    # (sender, receiver, "R") both ways for each stage's two replicas under PIPEFLOW_REDUCE=ce (celink.PairSum)
-    reduce_keys: list[tuple[int, int, str]]
 
 
 def make_links(world: World, plan: Plan, ties: list[Tie]) -> Links:
@@ -64,20 +60,7 @@ def make_links(world: World, plan: Plan, ties: list[Tie]) -> Links:
     loss_group = replica_groups.get(tuple(last.ranks)) if last.replicas > 1 else None
     # Tied parameters: one group per rank set holding one, after the others.
     tie_groups = new_groups(world, [t.ranks for t in ties])
-    pairs2 = [st.ranks for st in rank_groups if st.replicas == 2] if reduce_transport() == "ce" else []
-    return Links(groups, replica_groups, loss_group, tie_groups, [(a, b, "R") for x, y in pairs2
-                                                                   for a, b in ((x, y), (y, x))])
-
-
-def pair_sum(p2p: P2P, ranks: list[int]) -> PairSum | None:
-    """The sum over a stage's two replicas `ranks` on the copy engines, where warm_up set up both channels."""
-    me = p2p.world.rank
-    peer = next((r for r in ranks if r != me), me)
-    keys = ((me, peer, "R"), (peer, me, "R"))
-    if p2p.ce is None or len(ranks) != 2 or not all(p2p.ce.has(k) for k in keys):
-        return None
-    log.info("the replicas' gradients summed on the copy engines with rank %d (PIPEFLOW_REDUCE=ce)", peer)
-    return PairSum(p2p.ce, me, peer)
+    return Links(groups, replica_groups, loss_group, tie_groups)
 
 
 GLOO_GROUPS = ("auto", "1", "2")
@@ -179,11 +162,10 @@ def tied_async_error(ties: list[Tie], schedule: str) -> str:
             "gpipe or 1f1b, or a plan that keeps the tied layers on one stage")
 
 
-def make_reducers(stages: dict[int, Stage], ties: list[Tie], links: Links, ranks: list[int], kind: ScheduleKind,
-                  p2p: P2P) -> tuple[list[GradReducer], dict[int, GradReducer]]:
+def make_reducers(stages: dict[int, Stage], ties: list[Tie], links: Links, ranks: list[int], kind: ScheduleKind
+                  ) -> tuple[list[GradReducer], dict[int, GradReducer]]:
     """The gradient reducers of a rank's chunks: one per tie rank set it is in (summing a tied parameter's
-    gradient over its uses), and with replicas one per chunk over the replica group, tied parameters apart (two
-    replicas on the copy engines where PIPEFLOW_REDUCE=ce set them up, pair_sum)."""
+    gradient over its uses), and with replicas one per chunk over the replica group, tied parameters apart."""
     chunks = list(stages.values())
     tied = {id(p) for _, p in tied_here(ties, chunks)}
     tie_reducers = [GradReducer(params, group, overlap=False) for params, group in tie_groups(ties, chunks,
@@ -196,7 +178,7 @@ def make_reducers(stages: dict[int, Stage], ties: list[Tie], links: Links, ranks
     # reduces in finish(), in chunk order, the same on every replica.
     return tie_reducers, {k: GradReducer([p for p in c.parameters() if id(p) not in tied], group,
                                          average=kind.mean_over_replicas, overlap=len(chunks) == 1,
-                                         large=inplace_elements(), exchange=pair_sum(p2p, ranks))
+                                         large=inplace_elements())
                           for k, c in stages.items()}
 
 

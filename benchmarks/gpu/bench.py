@@ -24,8 +24,6 @@ Rows (';'-separated), every one at --sequences per optimizer step (default 64):
                                     GPUs' copy engines; default auto, the copy engines where GPUs are peers)
     ... accum=gemm|autograd         pf/big rows: PIPEFLOW_GRAD_ACCUM for the row and its profile (weight gradients
                                     added into .grad by autograd, the default, as in plain PyTorch, or by the GEMM)
-    ... reduce=nccl|ce              pf/big rows: PIPEFLOW_REDUCE for the row (how two replicas sum their gradients:
-                                    NCCL's all-reduce, the default, or the copy engines, celink.PairSum)
     ... flat                        pf/big rows: PIPEFLOW_REDUCE_INPLACE above every tensor (the replicas' all-reduce
                                     through flat buckets only, as before the in-place all-reduce)
     ... busy                        pf/big rows: profiled with pipeflow-profile --ranks-per-host N (how much a
@@ -74,7 +72,6 @@ GPT = {"layers": 24, "d_model": 2048, "heads": 16, "seq_len": 1024, "vocab": 320
 BIG = {"layers": 50, "d_model": 4096, "heads": 32, "seq_len": 1024, "vocab": 32000, "dataset": "synthetic"}
 TINY = {"layers": 4, "d_model": 32, "heads": 2, "seq_len": 16, "vocab": 256, "dataset": "synthetic"}
 P2P_WORDS = ("p2p=auto", "p2p=nccl", "p2p=ce")  # a pf/big row's PIPEFLOW_P2P
-REDUCE_WORDS = ("reduce=nccl", "reduce=ce")  # a pf/big row's PIPEFLOW_REDUCE
 ACCUM_WORDS = ("accum=gemm", "accum=autograd")  # a pf/big row's PIPEFLOW_GRAD_ACCUM
 FLAT = str(10**12)  # a `flat` row's PIPEFLOW_REDUCE_INPLACE: above every tensor, so no gradient is reduced in place
 TIMED = ("idle", "kernels", "stage")  # a pf/big/gb row's word for pipeflow-profile --timing (else its default)
@@ -325,7 +322,7 @@ class Bench:
            mem_gib: float | None = None, sizes: str | None = None, trace: bool = False, cal: bool = False,
            timing: str = "default", warmup: str | None = None, straight: bool = False,
            p2p: str | None = None, accum: str | None = None, busy: bool = False, shard: bool = False,
-           flat: bool = False, reduce: str | None = None) -> None:
+           flat: bool = False) -> None:
         """A pipeflow-train row. With `sizes` (a gb row) the profile holds those microbatch sizes and
         pipeflow-plan --global-batch picks b, m and the split; mb and m are then what it picked."""
         cfg = self.big if big else self.gpt
@@ -337,8 +334,7 @@ class Bench:
                + (f"-mem{mem_gib:g}" if mem_gib is not None else "") + (f"-{timing}" if timing != "default" else "")
                + (f"-warmup{warmup.replace(',', '_')}" if warmup else "") + ("-straight" if straight else "")
                + (f"-{p2p}" if p2p else "") + (f"-accum{accum}" if accum else "") + ("-busy" if busy else "")
-               + ("-shard" if shard else "") + ("-flat" if flat else "") + (f"-reduce{reduce}" if reduce else "")
-               + ("-trace" if trace else ""))
+               + ("-shard" if shard else "") + ("-flat" if flat else "") + ("-trace" if trace else ""))
         name = (f"pipeflow {schedule}" + (" (large model)" if big else "")
                 + (f", {GRAINS[grain]} layers" if grain else ""))
         flags = ["--schedule", schedule] + (["--warmup", warmup] if warmup else [])
@@ -374,7 +370,7 @@ class Bench:
             trace_path.unlink(missing_ok=True)  # never an earlier call's (--work shared)
             cmd += ["--trace", str(trace_path)]
         env = {**({"PIPEFLOW_P2P": p2p} if p2p else {}), **({"PIPEFLOW_GRAD_ACCUM": accum} if accum else {}),
-               **({"PIPEFLOW_REDUCE_INPLACE": FLAT} if flat else {}), **({"PIPEFLOW_REDUCE": reduce} if reduce else {})}
+               **({"PIPEFLOW_REDUCE_INPLACE": FLAT} if flat else {})}
         rc, out = self.sh(cmd, self.work / f"pf-{tag}.log", env)
         if trace and rc == 0 and trace_path.exists():
             for line in breakdown(json.loads(trace_path.read_text()), skip=max(1, self.a.steps // 3)):
@@ -400,8 +396,6 @@ class Bench:
             how += ", --shard-optimizer"
         if flat:
             how += f", PIPEFLOW_REDUCE_INPLACE={FLAT}"
-        if reduce:
-            how += f", PIPEFLOW_REDUCE={reduce}"
         if p2p:
             how += f", PIPEFLOW_P2P={p2p}"
         if accum:
@@ -477,24 +471,22 @@ class Bench:
                     warm = [x[7:] for x in extra if x.startswith("warmup=")]
                     p2p = [x[4:] for x in extra if x.startswith("p2p=")]
                     accum = [x[6:] for x in extra if x.startswith("accum=")]
-                    red = [x[7:] for x in extra if x.startswith("reduce=")]
                     words = (*GRAINS, "trace", "cal", "straight", "shard", "busy", "flat", *TIMED,
-                             *P2P_WORDS, *ACCUM_WORDS, *REDUCE_WORDS)
+                             *P2P_WORDS, *ACCUM_WORDS)
                     bad = [x for x in extra if x not in words and not x.startswith(("mem=", "warmup="))]
                     if (bad or ((mem or {"straight", "shard"} & set(extra)) and w[4] != "plan")
                             or (w[4] == "spot" and {"cal", "busy", *TIMED} & set(extra))
                             or len(set(TIMED) & set(extra)) > 1 or len(set(GRAINS) & set(extra)) > 1
-                            or len(warm) > 1 or len(p2p) > 1 or len(accum) > 1 or len(red) > 1):
+                            or len(warm) > 1 or len(p2p) > 1 or len(accum) > 1):
                         raise ValueError(f"after the split a {w[0]} row takes 'sub' or 'fine', 'trace', 'cal', "
                                          f"'busy', 'flat', one of "
                                          f"{', '.join(TIMED)} (not with 'spot'), 'warmup=W', one of "
-                                         f"{', '.join(P2P_WORDS)}, one of {', '.join(ACCUM_WORDS)}, one of "
-                                         f"{', '.join(REDUCE_WORDS)} and, with "
+                                         f"{', '.join(P2P_WORDS)}, one of {', '.join(ACCUM_WORDS)} and, with "
                                          f"'plan', 'mem=GIB', 'straight' and 'shard'; found {' '.join(extra)!r}")
                     self.pf(w[1], int(w[2]), int(w[3]), w[4], big=w[0] == "big", grain=_grain(extra),
                             mem_gib=mem[0] if mem else None, trace="trace" in extra, cal="cal" in extra,
                             timing=_timing(extra), warmup=warm[0] if warm else None, straight="straight" in extra,
-                            shard="shard" in extra, flat="flat" in extra, reduce=red[0] if red else None,
+                            shard="shard" in extra, flat="flat" in extra,
                             p2p=p2p[0] if p2p else None, accum=accum[0] if accum else None, busy="busy" in extra)
                 elif w[0] == "gb":
                     extra = w[3:]
