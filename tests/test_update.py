@@ -52,3 +52,23 @@ def test_a_deferred_update_is_the_same_update_a_step_late(lagged: bool) -> None:
     assert state_late.keys() == state_at_once.keys()
     assert all(torch.equal(state_late[k], state_at_once[k]) for k in state_at_once)
     assert torch.equal(at_once[1], at_once[0])  # the skip left the weights as they were
+
+
+def test_which_workers_defer_their_updates() -> None:
+    """stash.defers_update: 2bw's data parallelism and its last stage (every forward's backward before the next
+    STEP, on the updates applied by then); not its other stages, not a last stage warmed up deeper (its forwards
+    run ahead of the minibatch's end), not async (each microbatch on the newest version)."""
+    from pipeflow.schedule import generate
+    from pipeflow.stash import defers_update, version_fn
+
+    def deferring(name: str, stages: int, replicas: list[int], m: int, warmup: list[int] | None = None) -> list[bool]:
+        sched = generate(name, stages, 4 * m, replicas, minibatch=m, warmup=warmup)
+        return [defers_update(sched.actions[w], version_fn(sched, sched.stage_of(w), minibatch=m))
+                for w in range(len(sched.actions))]
+
+    assert deferring("2bw", 1, [2], 4) == [True, True]
+    assert deferring("2bw", 3, [1, 1, 1], 4) == [False, False, True]
+    assert deferring("2bw", 2, [1, 2], 4) == [False, True, True]
+    assert deferring("2bw", 2, [1, 1], 4, warmup=[1, 1]) == [False, False]
+    assert deferring("async", 1, [2], 4) == [False, False]
+    assert deferring("async", 2, [1, 1], 4) == [False, False]
