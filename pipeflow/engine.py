@@ -20,7 +20,7 @@ from pipeflow.shard import sharded
 from pipeflow.spec import ModelSpec
 from pipeflow.split import gemm_accumulation, linear_notes
 from pipeflow.stage import Stage, mark_requires_grad
-from pipeflow.stash import defers_update, segment_policy, version_fn
+from pipeflow.stash import LiveWeights, segment_policy
 from pipeflow.update import Update
 
 log = logging.getLogger(__name__)
@@ -81,8 +81,7 @@ class Engine:
         self.policy: WeightHooks = WeightPolicy()
         if self.kind.weights is not Weights.LIVE:
             self._new_policy()
-        deferred = self.kind.weights is not Weights.LIVE and defers_update(self.actions, version_fn(
-            self.sched, self.s, minibatch=self.m, vertical_sync=vertical_sync))  # 2bw's last stage, data parallel
+        deferred = isinstance(self.policy, LiveWeights)  # 2bw's last stage and data parallelism (stash.py)
         self.update = Update(self.optimizer, self.parameters(), self.shard, deferred=deferred,
                              broadcast_overlaps=self.kind.broadcast_overlaps(self.sched.replicas, self.s))
         # Microbatches one STEP of this stage consumes (over its replicas): async steps per backward.
@@ -112,7 +111,8 @@ class Engine:
 
     def _new_policy(self) -> None:
         self.policy = segment_policy(self.stage.module, self.sched, self.worker, self.s, minibatch=self.m,
-                                     vertical_sync=self.vertical_sync, previous=self.policy)
+                                     vertical_sync=self.vertical_sync, previous=self.policy,
+                                     settle=self.shard.finish if self.shard else None)  # a deferred broadcast
 
     def begin_segment(self, first_step: int, steps: int) -> None:
         """Asynchronous schedules: the next `run(self.actions)` trains minibatches [first_step,

@@ -125,8 +125,9 @@ class ScheduleKind:
 
     def broadcast_overlaps(self, replicas: Sequence[int], stage: int) -> bool:
         """--shard-optimizer (pipeflow/shard.py): the owners' new weights travel under the next minibatch where 2bw
-        runs it on a stashed version and reads the live weights only at the next STEP (forwards run ahead: the
-        stage's warm-up); else, as on its last stage and data parallelism (deferred updates), in the STEP."""
+        runs it on a stashed version (forwards run ahead: the stage's warm-up), landing before the warm-up forwards
+        after it copy the live weights; else, as on its last stage and data parallelism (deferred updates), in the
+        STEP."""
         return self.weights is Weights.DOUBLE_BUFFER and warmup_forwards(replicas, stage) > 0
 
     def copies_per_update(self, replicas: Sequence[int], stage: int) -> int:

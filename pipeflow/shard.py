@@ -82,10 +82,10 @@ class ShardedUpdate:
         """Each owner's parameters to the other replicas, owners in replica order, so every member issues the same
         broadcasts in the same order: a tensor of at least LARGE elements in place (no buffer), the rest in
         buckets of one dtype of at most BUCKET_BYTES. The gradients of the parameters this rank does not own are
-        dropped, as the optimizer's zero_grad drops the others'. `defer` (2bw, whose next minibatch runs on a
-        stashed copy and reads the live weights only at the next STEP): return with the broadcasts in flight,
-        overlapping that minibatch; `finish` lands them (the engine calls it at the next STEP and at the end of
-        a segment)."""
+        dropped, as the optimizer's zero_grad drops the others'. `defer` (2bw on a stage that runs ahead, whose
+        next minibatch runs on a stashed copy): return with the broadcasts in flight, overlapping that minibatch;
+        `finish` lands them before a forward reads the live weights (the warm-up forwards of the minibatch after
+        copy them, before the next STEP: stash.StashPolicy's `settle`), at the next STEP, and at a segment's end."""
         self.finish()
         with torch.no_grad():
             for q in range(self.replicas):

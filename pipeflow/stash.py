@@ -174,8 +174,12 @@ class StashPolicy(WeightPolicy):
     parameters; gradients computed on a copy are added to the live parameters' gradients."""
 
     def __init__(self, module: nn.Module, actions: list[Action], version: VersionFn, *,
-                 sched: Schedule | None = None, worker: int | None = None) -> None:
+                 sched: Schedule | None = None, worker: int | None = None,
+                 settle: Callable[[], None] | None = None) -> None:
         self.book = VersionBook(actions, version, sched=sched, worker=worker)
+        # Lands what may still be writing the live weights (a sharded update's broadcast, deferred under 2bw's next
+        # minibatch, shard.py) before a forward reads them: one that runs on them or copies them.
+        self.settle = settle
         # (owning module, attribute name, live parameter) for every parameter, in parameters() order.
         self.slots = [(mod, name, p) for mod in module.modules()
                       for name, p in mod.named_parameters(recurse=False)]
@@ -205,6 +209,8 @@ class StashPolicy(WeightPolicy):
 
     def before_forward(self, mb: int) -> None:
         v, on_live, copy_now = self.book.forward(mb)
+        if (on_live or copy_now) and self.settle is not None:
+            self.settle()
         if on_live:
             return
         if copy_now:
@@ -255,12 +261,10 @@ class StashPolicy(WeightPolicy):
 
 
 def defers_update(actions: list[Action], version: VersionFn) -> bool:
-    """Whether a worker can run every microbatch on its live weights by applying each update one STEP late
-    (pipeflow/update.py) instead of on copies: every forward between its k-th and (k+1)-th STEP uses version
-    max(0, k - 1), the updates applied by then, and has its backward before the (k+1)-th. So it is for 2bw's
-    last stage and data parallelism (no forward runs ahead of a minibatch's end): there the copies cost a weight
-    copy per minibatch, gradients added from the copies', and a replica all-reduce that cannot start before the
-    STEP (no hook fires on a copy's graph, reduce.py)."""
+    """Whether a worker can run every microbatch on its live weights, each update applied one STEP late
+    (pipeflow/update.py), instead of on copies: every forward between its k-th and (k+1)-th STEP uses version
+    max(0, k - 1) and has its backward before the (k+1)-th (2bw's last stage and data parallelism). Copies cost a
+    weight copy a minibatch and an all-reduce held until the STEP (no hook fires on a copy's graph, reduce.py)."""
     steps, open_ = 0, set[int]()
     for a in actions:
         if a.kind is Kind.STEP:
@@ -276,15 +280,20 @@ def defers_update(actions: list[Action], version: VersionFn) -> bool:
     return True
 
 
+class LiveWeights(WeightPolicy):
+    """The policy of a worker whose updates are deferred a STEP (defers_update, pipeflow/update.py): every
+    microbatch runs on the live weights, nothing is copied."""
+
+
 def segment_policy(module: nn.Module, sched: Schedule, worker: int, stage: int, *, minibatch: int,
-                   vertical_sync: bool, previous: object) -> WeightPolicy:
+                   vertical_sync: bool, previous: object, settle: Callable[[], None] | None = None) -> WeightPolicy:
     """The weight policy of a segment's action list (Engine.begin_segment), reusing the previous segment's
     free copies when there was one; the live weights throughout where the worker's updates are deferred
     (defers_update)."""
     version = version_fn(sched, stage, minibatch=minibatch, vertical_sync=vertical_sync)
     if defers_update(sched.actions[worker], version):
-        return WeightPolicy()
-    policy = StashPolicy(module, sched.actions[worker], version, sched=sched, worker=worker)
+        return LiveWeights()
+    policy = StashPolicy(module, sched.actions[worker], version, sched=sched, worker=worker, settle=settle)
     if isinstance(previous, StashPolicy):
         policy.pool = previous.pool + list(previous.copies.values())
         policy.allocated = previous.allocated

@@ -71,7 +71,9 @@ KINDS = {  # a pipeline of two replicated stages, and data parallelism under the
     "interleaved": ("mlp", "interleaved", [((0, 2), [0, 1]), ((2, 4), [2, 3]), ((4, 5), [0, 1]), ((5, 6), [2, 3])]),
     "1f1b-tied": ("gpt-tied", "1f1b", [((0, 2), [0, 1]), ((2, 4), [2, 3])]),  # one Parameter, two owners' groups
     "1f1b-wide": ("mlp-wide", "1f1b", [((0, 3), [0, 1])]),  # large tensors in place, small ones in buckets
-    "2bw-wide": ("mlp-wide", "2bw", [((0, 3), [0, 1])]),  # the same, deferred under the next minibatch
+    "2bw-wide": ("mlp-wide", "2bw", [((0, 3), [0, 1])]),  # the same, its update deferred a STEP (update.py)
+    # stage 0's broadcast deferred under the next minibatch (it runs ahead), stage 1's update deferred a STEP
+    "2bw-wide-2x2": ("mlp-wide", "2bw", [((0, 2), [0, 1]), ((2, 3), [2, 3])]),
 }
 
 
