@@ -74,6 +74,8 @@ KINDS = {  # a pipeline of two replicated stages, and data parallelism under the
     "2bw-wide": ("mlp-wide", "2bw", [((0, 3), [0, 1])]),  # the same, its update deferred a STEP (update.py)
     # stage 0's broadcast deferred under the next minibatch (it runs ahead), stage 1's update deferred a STEP
     "2bw-wide-2x2": ("mlp-wide", "2bw", [((0, 2), [0, 1]), ((2, 3), [2, 3])]),
+    "async-2x2": ("mlp", "async", [((0, 3), [0, 1]), ((3, 6), [2, 3])]),  # stage 0 copies live weights ahead
+    "zb-h2-2x2": ("mlp", "zb-h2", [((0, 3), [0, 1]), ((3, 6), [2, 3])]),  # the reducer armed at W, not B
 }
 
 
