@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from partitioner.topology import Topology
-from pipeflow.kinds import SCHEDULES, InFlight, ScheduleKind, Weights, schedule_kind, zero_bubble_limit
+from pipeflow.kinds import SCHEDULES, InFlight, ScheduleKind, schedule_kind, zero_bubble_limit
 
 OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2}  # momentum; exp_avg + exp_avg_sq
 INF = float("inf")
@@ -203,8 +203,7 @@ class CostModel:
             return np.asarray(lay.optimizer_ms_per_byte * p + lay.update_ms)
         r = np.asarray(r, dtype=np.float64)
         most = r * (self.topology.workers // self.topology.unit_size(level + 1))
-        overlaps = self.kind.weights is Weights.DOUBLE_BUFFER  # 2bw: every stage but the last runs ahead
-        sent = np.where(overlaps & ~np.asarray(last), 0.0, (r - 1) / r * p / self.bw(level))
+        sent = np.where(self.kind.broadcast_overlaps(np.asarray(last)), 0.0, (r - 1) / r * p / self.bw(level))
         return lay.optimizer_ms_per_byte * p / most + lay.update_ms + sent
 
     def _flushed(self, busy: np.ndarray, i: np.ndarray | int, k: np.ndarray | int, r: np.ndarray | float,

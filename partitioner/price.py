@@ -90,7 +90,7 @@ def price(lay: LayerCosts, topology: Topology, schedule: str, microbatches: int,
 
     def run(scale: float) -> tuple[list[StageCost], SimResult]:
         costs = stage_costs(lay, topology, ranges, ranks, scale=scale,
-                            broadcast=[not kind.broadcast_overlaps(reps, t % groups) for t in range(len(ranges))])
+                            broadcast=[not kind.broadcast_overlaps(t == len(ranges) - 1) for t in range(len(ranges))])
         for s, cost in enumerate(costs[:groups]):  # the runtime's own time per update (a rank's chunks together)
             # and the weight copies an update makes the asynchronous schedules keep (ScheduleKind.copies_per_update)
             cost.optimizer_ms += lay.update_ms + lay.copy_ms_per_byte * cost.parameter_bytes * kind.copies_per_update(

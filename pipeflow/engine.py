@@ -83,7 +83,7 @@ class Engine:
             self._new_policy()
         deferred = isinstance(self.policy, LiveWeights)  # 2bw's last stage and data parallelism (stash.py)
         self.update = Update(self.optimizer, self.parameters(), self.shard, deferred=deferred,
-                             broadcast_overlaps=self.kind.broadcast_overlaps(self.sched.replicas, self.s))
+                             broadcast_overlaps=self.kind.broadcast_overlaps(self.s == self.S - 1))
         # Microbatches one STEP of this stage consumes (over its replicas): async steps per backward.
         self.microbatches_per_step = self.kind.microbatches_per_update(self.m, st.replicas)
         self.losses: list[torch.Tensor] = []

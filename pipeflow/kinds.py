@@ -123,12 +123,12 @@ class ScheduleKind:
             return 2 * (in_flight > 1) + share * (in_flight <= 1)
         return 0
 
-    def broadcast_overlaps(self, replicas: Sequence[int], stage: int) -> bool:
-        """--shard-optimizer (pipeflow/shard.py): the owners' new weights travel under the next minibatch where 2bw
-        runs it on a stashed version (forwards run ahead: the stage's warm-up), landing before the warm-up forwards
-        after it copy the live weights; else, as on its last stage and data parallelism (deferred updates), in the
-        STEP."""
-        return self.weights is Weights.DOUBLE_BUFFER and warmup_forwards(replicas, stage) > 0
+    def broadcast_overlaps(self, last: Any) -> Any:
+        """--shard-optimizer (pipeflow/shard.py), for a stage that is (`last`, a bool or an array of them) the model's
+        last or not: the owners' new weights travel under the next minibatch where 2bw runs it on a stashed version,
+        on every stage but the last (its forwards run ahead: the warm-up), landing before the warm-up forwards after
+        it copy the live weights; else, as on 2bw's last stage and data parallelism (deferred updates), in the STEP."""
+        return (self.weights is Weights.DOUBLE_BUFFER) & (last == 0)
 
     def copies_per_update(self, replicas: Sequence[int], stage: int) -> int:
         """Weight copies `stage` takes per optimizer update in the steady state (pipeflow/stash.py's VersionBook):

@@ -53,8 +53,7 @@ class Update:
         ok = gate is None or gate()  # minibatch k's gradient and losses, decided now as without deferral
         self.held = ([g if keep else None for g, keep in zip(fresh, self.held_mask)], ok,
                      getattr(self.optimizer, "found_inf", None))
-        self.optimizer.zero_grad(set_to_none=True)
-        for p in self.params:  # parameters outside the optimizer (a sharded stage's others) too
+        for p in self.params:  # held or dropped (a sharded stage's others): the next minibatch starts from none
             p.grad = None
 
     def drain(self) -> None:
