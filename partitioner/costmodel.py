@@ -177,10 +177,12 @@ class CostModel:
         optimizer step."""
         p = self.P[k] - self.P[i]
         b = self.Bw[k] - self.Bw[i] + self.layers.stage_overhead_ms(i, k)[1]
-        exposed = np.maximum(0.0, self.allreduce_ms(p, r, level) - b)
+        busy, last = np.asarray(unit_ms) * (self.share(r) / self.microbatches), np.asarray(k) == self.num_layers
+        # beside the last backward, or under the whole next minibatch (2bw's deferred update, update.py)
+        late = self.kind.reduce_waits_a_step(last, self.layers.shard_optimizer)
+        exposed = np.maximum(0.0, self.allreduce_ms(p, r, level) - np.where(late, busy, b))
         if level == 0:
-            exposed = exposed + self.update_ms(p, r, level, last=np.asarray(k) == self.num_layers)
-        busy = np.asarray(unit_ms) * (self.share(r) / self.microbatches)
+            exposed = exposed + self.update_ms(p, r, level, last=last)
         if self.kind.flush and level == len(self.topology.levels) - 1:
             out = self._flushed(busy, i, k, r, b, exposed)
         else:

@@ -10,7 +10,7 @@ from partitioner.planner import LayerCosts
 from partitioner.simulate import SimResult, StageCost, simulate
 from partitioner.topology import Topology
 from pipeflow.actions import ScheduleError
-from pipeflow.kinds import schedule_kind
+from pipeflow.kinds import ScheduleKind, schedule_kind
 from pipeflow.warmup import least_warmups
 
 # tune_warmup keeps an extra warm-up forward per stage only where the simulated step shrinks by this share:
@@ -39,14 +39,14 @@ def level_factors(ranks: Sequence[int], topology: Topology) -> list[int]:
 
 def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int, int]],
                 ranks: Sequence[Sequence[int]], *, scale: float = 1.0,
-                broadcast: bool | Sequence[bool] = True) -> list[StageCost]:
+                broadcast: bool | Sequence[bool] = True, kind: ScheduleKind | None = None) -> list[StageCost]:
     """Per stage: compute (the loss on the last; the runtime's own time per action and message sent,
     LayerCosts.stage_overhead_ms), its output, a ring all-reduce 2 (r-1)/r P / B for each level its
     replicas span, the optimizer step. send_ms is for the table: one message at the bandwidth
     between the first replicas of this stage and the next (the simulator prices every pair itself). `scale`
     multiplies the layers' and the loss's times (contention_scale). With lay.shard_optimizer an update is a 1/r
     share of the step, then (`broadcast`, one or per stage: where it does not overlap the next minibatch) the
-    others' weights."""
+    others' weights. `kind`: the schedule's, for where the all-reduce waits a STEP (2bw's deferred update)."""
     L, out = len(lay), []
     sends = [broadcast] * len(ranges) if isinstance(broadcast, bool) else list(broadcast)
     for t, ((a, b), rs) in enumerate(zip(ranges, ranks)):
@@ -65,7 +65,8 @@ def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int,
             sum((f - 1) / f * p / bw for f, bw in factors) if lay.shard_optimizer and sends[t] else 0.0)
         out.append(StageCost(fwd, scale * float(lay.backward_ms[a:b].sum()) + float(extra_b), send, ar, p,
                              float(lay.activation_bytes[a:b].sum()), update, nbytes, weight,
-                             lay.latency_ms, lay.message_ms, lay.loss_bytes if b == L else 0.0, share))
+                             lay.latency_ms, lay.message_ms, lay.loss_bytes if b == L else 0.0, share,
+                             bool(kind is not None and kind.reduce_waits_a_step(b == L, lay.shard_optimizer))))
     return out
 
 
@@ -89,7 +90,7 @@ def price(lay: LayerCosts, topology: Topology, schedule: str, microbatches: int,
     kind, reps = schedule_kind(schedule), [len(r) for r in ranks[:groups]]  # a rank group's replicas
 
     def run(scale: float) -> tuple[list[StageCost], SimResult]:
-        costs = stage_costs(lay, topology, ranges, ranks, scale=scale,
+        costs = stage_costs(lay, topology, ranges, ranks, scale=scale, kind=kind,
                             broadcast=[not kind.broadcast_overlaps(t == len(ranges) - 1) for t in range(len(ranges))])
         for s, cost in enumerate(costs[:groups]):  # the runtime's own time per update (a rank's chunks together)
             # and the weight copies an update makes the asynchronous schedules keep (ScheduleKind.copies_per_update)

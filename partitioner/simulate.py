@@ -12,7 +12,8 @@ What the replay charges, as the runtime does it (pipeflow/comm.py, pipeflow/redu
   time order;
 - STEP: the replicas' ring all-reduce (2 (r-1)/r * P / B per topology level) is bucketed into the last
   backward, so it starts when every replica has started its last backward and ends no earlier than it
-  ends; then the local optimizer step.
+  ends (`reduce_late`: launched when every replica is at the STEP, waited for at the next); then the local
+  optimizer step.
 Actions are processed in time order (an event loop over workers), so port bookings are in time order too.
 """
 from __future__ import annotations
@@ -51,6 +52,7 @@ class StageCost:
     # transfer starts with it (a send the calling thread writes, gloo's, holds the transfer in that time)
     transient_bytes: float = 0.0  # held on top of the in-flight activations at the peak (the loss's, last stage)
     state_share: float = 1.0  # the share of the stage's optimizer state a replica holds (1/r: --shard-optimizer)
+    reduce_late: bool = False  # its all-reduce launched at a STEP, completed at the next (2bw's deferred update)
 
 
 @dataclass
@@ -111,6 +113,8 @@ def replay(sched: Schedule, stages: Sequence[StageCost], *, ranks: Sequence[Sequ
     acts = sched.actions
     chunks = [range(g, K, S) for g in range(S)]
     allreduce_ms = [sum(stages[k].allreduce_ms for k in ks) for ks in chunks]
+    late = [any(stages[k].reduce_late for k in ks) for ks in chunks]
+    reduced = [0.0] * S  # late: when the all-reduce a group's last STEP launched completes
     optimizer_ms = [sum(stages[k].optimizer_ms for k in ks) for ks in chunks]
     # A split backward (zero bubble): B costs backward - W, W the rest; activations live until W, and W
     # is the last backward the replicas' all-reduce overlaps.
@@ -192,8 +196,10 @@ def replay(sched: Schedule, stages: Sequence[StageCost], *, ranks: Sequence[Sequ
                         if len(step_in[group]) < reps[g]:
                             break  # parked until the last replica arrives
                         arrived = step_in.pop(group)
-                        step_end[group] = max(max(r for r, _ in arrived.values()),
+                        ready = max(r for r, _ in arrived.values())
+                        step_end[group] = max(ready, reduced[g] if late[g] else
                                               max(b for _, b in arrived.values()) + allreduce_ms[g])
+                        reduced[g] = ready + allreduce_ms[g]
                         for other in arrived:
                             if other != w:
                                 heapq.heappush(heap, (step_end[group], other))

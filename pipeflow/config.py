@@ -60,13 +60,14 @@ def check_device(device: str) -> None:
 def check_environment(environ: Mapping[str, str]) -> None:
     """The PIPEFLOW_* knobs of the README: checked on every run, not only where they are used."""
     from pipeflow.cesetup import p2p_transport
-    from pipeflow.links import gloo_groups, inplace_elements, p2p_max_ctas
+    from pipeflow.links import gloo_groups, inplace_elements, p2p_max_ctas, reduce_late
     from pipeflow.split import gemm_accumulation
 
     log_level(environ.get("PIPEFLOW_LOG"))
     try:
         p2p_max_ctas(environ)
         inplace_elements(environ)
+        reduce_late(environ)
         gloo_groups(environ)
         p2p_transport(environ)
         gemm_accumulation(environ)

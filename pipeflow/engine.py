@@ -12,7 +12,7 @@ from partitioner.plan import Plan
 from pipeflow.comm import P2P, World, all_reduce
 from pipeflow.hooks import Feed, GateFactory, StepGate, Timer, Timing, WeightHooks, WeightPolicy
 from pipeflow.kinds import Weights, schedule_kind
-from pipeflow.links import arm_points, make_links, make_reducers, send_window, tied_async_error
+from pipeflow.links import arm_points, make_links, make_reducers, reduce_late, send_window, tied_async_error
 from pipeflow.receives import ForwardReceives
 from pipeflow.reduce import find_ties
 from pipeflow.schedule import Action, Kind, Schedule, generate
@@ -77,16 +77,18 @@ class Engine:
         self.shard = sharded(self._parameters, st.replicas, self.r, self.replica_groups.get(tuple(st.ranks)),
                              st.ranks) if shard_optimizer or plan.shard_optimizer else None  # ZeRO stage 1
         self.optimizer = optimizer_factory(self.shard.owned if self.shard else self.parameters())
-        self.tie_reducers, self.reducers = make_reducers(self.stages, self.ties, links, st.ranks, self.kind)
         self.policy: WeightHooks = WeightPolicy()
         if self.kind.weights is not Weights.LIVE:
             self._new_policy()
-        deferred = isinstance(self.policy, LiveWeights)  # 2bw's last stage and data parallelism (stash.py)
-        self.update = Update(self.optimizer, self.parameters(), self.shard, deferred=deferred,
-                             broadcast_overlaps=self.kind.broadcast_overlaps(self.s == self.S - 1))
-        # Microbatches one STEP of this stage consumes (over its replicas): async steps per backward.
-        self.microbatches_per_step = self.kind.microbatches_per_update(self.m, st.replicas)
+        last, deferred = self.s == self.S - 1, isinstance(self.policy, LiveWeights)  # deferred: 2bw's last stage
+        late = deferred and reduce_late() and self.kind.reduce_waits_a_step(last, self.shard is not None)
+        self.tie_reducers, self.reducers = make_reducers(self.stages, self.ties, links, st.ranks, self.kind, late)
+        self.update = Update(self.optimizer, self.parameters(), self.shard, [*self.reducers.values(),
+                             *self.tie_reducers], deferred=deferred, late=late,
+                             broadcast_overlaps=self.kind.broadcast_overlaps(last))
+        self.microbatches_per_step = self.kind.microbatches_per_update(self.m, st.replicas)  # one STEP's, replicas
         self.losses: list[torch.Tensor] = []
+        self._step_losses = 0  # where the losses of the minibatch the next STEP ends start in self.losses
         self._received: dict[tuple[int, int], list[torch.Tensor]] = {}  # (stage, mb) -> received inputs, to B
         self.step_gate: StepGate | None = step_gate(self) if step_gate else None  # made last: it reads the engine
 
@@ -205,7 +207,7 @@ class Engine:
                      self.p2p.peak_pending_bytes, self.p2p.window)
         if not self.flush:
             self.policy.finish()
-            self.update.drain()  # a segment's end: checkpoints and --save read the weights
+            self.update.drain(self.step_gate)  # a segment's end: checkpoints and --save read the weights
 
     def _signature(self, sender: int, step: int, i: int) -> Any:
         """What the shapes of the activations model stage `sender` sends for microbatch i depend on."""
@@ -263,12 +265,10 @@ class Engine:
 
     def _step(self) -> None:
         with self.timer.span("STEP"):
-            for reducer in (*self.reducers.values(), *self.tie_reducers):  # replicas in chunk order, then ties
-                reducer.finish()
-            if self.shard is not None:  # the last STEP's broadcast, when deferred, lands before the weights are used
-                self.shard.finish()
+            self.update.reduce()
             self.policy.before_step()
-            self.update.step(self.step_gate)  # guard.StepGuard decides on non-finite updates (stop/skip)
+            self.update.step(self.step_gate, self.losses[self._step_losses:])  # guard.StepGuard: stop/skip
+            self._step_losses = len(self.losses)
             self.policy.after_step()
 
     def train_step(self, step: int) -> None:
@@ -286,7 +286,7 @@ class Engine:
         if not self.holds_last:
             return None
         local = torch.stack(self.losses).sum() if self.losses else torch.zeros((), device=self.world.device)
-        self.losses.clear()
+        self.losses, self._step_losses = [], 0
         if self.loss_group is not None:
             all_reduce(local, self.loss_group)
         return float(local) / count if self.r == 0 else None

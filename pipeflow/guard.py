@@ -66,8 +66,11 @@ class StepGuard:
         e = self.engine
         dev = e.world.device
         found = nonfinite_flag((p.grad for p in e.parameters() if p.grad is not None), dev, self._ones)
-        if e.holds_last and e.losses:
-            bad_loss = (~torch.stack(e.losses[-self.losses_per_step:]).isfinite().all()).float().to(dev)
+        # The losses of the minibatch whose gradient this is: the latest, or those a late update holds (update.py).
+        held = getattr(getattr(e, "update", None), "checking", None)
+        losses = held if held is not None else e.losses[-self.losses_per_step:]
+        if e.holds_last and losses:
+            bad_loss = (~torch.stack(losses).isfinite().all()).float().to(dev)
         else:
             bad_loss = torch.zeros((), dtype=torch.float32, device=dev)
         return torch.stack([found, bad_loss])

@@ -88,13 +88,12 @@ class ScheduleKind:
     @property
     def rule(self) -> str:
         """The constraints on m and replicas in words, for the planner's messages ("" if none)."""
-        parts = [text for applies, text in ((self.replicas_divide_m, "every stage's replica count must divide m"),
-                                            (self.replicas_at_most_m, "m >= every stage's replica count"),
-                                            (self.share_covers_warmup, "m // replicas >= warm-up forwards on "
-                                             "every stage (m >= stages - 1 without replicas)"),
-                                            (self.m_multiple_of_stages, "m a multiple of the pipeline's "
-                                             "rank groups (at least 2)")) if applies]
-        return " and ".join(parts)
+        rules = ((self.replicas_divide_m, "every stage's replica count must divide m"),
+                 (self.replicas_at_most_m, "m >= every stage's replica count"),
+                 (self.share_covers_warmup, "m // replicas >= warm-up forwards on every stage (m >= stages - 1 "
+                  "without replicas)"), (self.m_multiple_of_stages, "m a multiple of the pipeline's rank groups "
+                                         "(at least 2)"))
+        return " and ".join(text for applies, text in rules if applies)
 
     @property
     def vertical_sync(self) -> bool:
@@ -124,11 +123,15 @@ class ScheduleKind:
         return 0
 
     def broadcast_overlaps(self, last: Any) -> Any:
-        """--shard-optimizer (pipeflow/shard.py), for a stage that is (`last`, a bool or an array of them) the model's
-        last or not: the owners' new weights travel under the next minibatch where 2bw runs it on a stashed version,
-        on every stage but the last (its forwards run ahead: the warm-up), landing before the warm-up forwards after
-        it copy the live weights; else, as on 2bw's last stage and data parallelism (deferred updates), in the STEP."""
+        """--shard-optimizer (shard.py), a stage that is (`last`, bool or array) the model's last or not: the owners'
+        new weights travel under the next minibatch where 2bw runs it on a stashed version (every stage but the
+        last, landing before the warm-up forwards after it copy the live weights); else in the STEP."""
         return (self.weights is Weights.DOUBLE_BUFFER) & (last == 0)
+
+    def reduce_waits_a_step(self, last: Any, sharded: Any) -> Any:
+        """The replicas' all-reduce launched at a STEP, completed at the next (under the next minibatch) where 2bw
+        defers an unsharded update (its last stage, data parallelism: pipeflow/update.py); else in the backward."""
+        return (self.weights is Weights.DOUBLE_BUFFER) & (last != 0) & (sharded == 0)
 
     def copies_per_update(self, replicas: Sequence[int], stage: int) -> int:
         """Weight copies `stage` takes per optimizer update in the steady state (pipeflow/stash.py's VersionBook):
@@ -195,8 +198,7 @@ def _1f1b(mbs: list[int], microbatches: int, replicas: Sequence[int], stage: int
 
 def _async(mbs: list[int], microbatches: int, replicas: Sequence[int], stage: int,
            minibatch: int | None, warmup: int | None) -> list[Action]:
-    # PipeDream: an update after every backward, no flush; replicas all-reduce at every STEP, so
-    # they must run equally many backwards.
+    # PipeDream: an update after every backward, no flush; replicas all-reduce at every STEP: as many backwards.
     if microbatches % replicas[stage]:
         raise ScheduleError(f"async: stage {stage} has {replicas[stage]} replicas, which must divide the "
                             f"total number of microbatches (steps x m), found {microbatches}")
@@ -206,8 +208,7 @@ def _async(mbs: list[int], microbatches: int, replicas: Sequence[int], stage: in
 
 def _2bw(mbs: list[int], microbatches: int, replicas: Sequence[int], stage: int,
          minibatch: int | None, warmup: int | None) -> list[Action]:
-    # PipeDream-2BW: 1F1B without flush; an update after this worker's last backward of each minibatch
-    # (with replicas, every replica owns a share of each minibatch: needs m >= replicas).
+    # PipeDream-2BW: 1F1B without flush; an update after this worker's last backward of each minibatch (m >= replicas).
     if not minibatch or minibatch < 1:
         raise ScheduleError(f"2bw needs the minibatch size in microbatches, found {minibatch}")
     if minibatch < replicas[stage] or microbatches % minibatch:

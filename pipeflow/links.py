@@ -162,10 +162,11 @@ def tied_async_error(ties: list[Tie], schedule: str) -> str:
             "gpipe or 1f1b, or a plan that keeps the tied layers on one stage")
 
 
-def make_reducers(stages: dict[int, Stage], ties: list[Tie], links: Links, ranks: list[int], kind: ScheduleKind
-                  ) -> tuple[list[GradReducer], dict[int, GradReducer]]:
+def make_reducers(stages: dict[int, Stage], ties: list[Tie], links: Links, ranks: list[int], kind: ScheduleKind,
+                  late: bool = False) -> tuple[list[GradReducer], dict[int, GradReducer]]:
     """The gradient reducers of a rank's chunks: one per tie rank set it is in (summing a tied parameter's
-    gradient over its uses), and with replicas one per chunk over the replica group, tied parameters apart."""
+    gradient over its uses), and with replicas one per chunk over the replica group, tied parameters apart.
+    `late` (a deferred update's all-reduce under the next minibatch, update.py): none started during a backward."""
     chunks = list(stages.values())
     tied = {id(p) for _, p in tied_here(ties, chunks)}
     tie_reducers = [GradReducer(params, group, overlap=False) for params, group in tie_groups(ties, chunks,
@@ -177,7 +178,8 @@ def make_reducers(stages: dict[int, Stage], ties: list[Tie], links: Links, ranks
     # scale each microbatch's loss by 1/m, so the sum is already the minibatch mean. Several chunks: each
     # reduces in finish(), in chunk order, the same on every replica.
     return tie_reducers, {k: GradReducer([p for p in c.parameters() if id(p) not in tied], group,
-                                         average=kind.mean_over_replicas, overlap=len(chunks) == 1,
+                                         average=kind.mean_over_replicas,
+                                         overlap=len(chunks) == 1 and not late,
                                          large=inplace_elements())
                           for k, c in stages.items()}
 
@@ -204,6 +206,16 @@ def inplace_elements(environ: Mapping[str, str] = os.environ) -> int:
         raise ValueError(f"PIPEFLOW_REDUCE_INPLACE must be an integer >= 1 (elements from which a gradient is "
                          f"all-reduced in place), found {text!r}")
     return n
+
+
+def reduce_late(environ: Mapping[str, str] = os.environ) -> bool:
+    """PIPEFLOW_REDUCE_LATE: 1 (default), a deferred update's all-reduce runs under the next minibatch (update.py);
+    0, beside the last backward as elsewhere."""
+    text = environ.get("PIPEFLOW_REDUCE_LATE", "1")
+    if text not in ("0", "1"):
+        raise ValueError(f"PIPEFLOW_REDUCE_LATE must be 1 (a deferred update's all-reduce under the next minibatch) "
+                         f"or 0 (beside the last backward), found {text!r}")
+    return text == "1"
 
 
 def p2p_group_options(backend: str) -> Any:

@@ -65,7 +65,8 @@ class GradReducer:
         self.bucket_of = {p: b for b, ps in enumerate(self.buckets) for p in ps}
         self.waiting = [0] * len(self.buckets)  # expected parameters of each bucket not final yet
         self.next = 0
-        self.works: list[tuple[Any, torch.Tensor | None, int, bool]] = []  # (work, flat, bucket, all present here)
+        # (work, flat, bucket, all present here, the gradients it sums)
+        self.works: list[tuple[Any, torch.Tensor | None, int, bool, list[torch.Tensor | None]]] = []
         self.absent: list[int] = []  # in-place buckets whose parameter had no gradient here this step
         self.armed = False
         self.overlap = overlap
@@ -115,7 +116,7 @@ class GradReducer:
                 p.grad = torch.zeros_like(p)  # what this member adds to the sum
             elif not p.grad.is_contiguous():  # a collective takes contiguous tensors
                 p.grad = p.grad.contiguous()
-            self.works.append((all_reduce(p.grad, self.group, async_op=True), None, b, here))
+            self.works.append((all_reduce(p.grad, self.group, async_op=True), None, b, here, [p.grad]))
             return
         grads = [p.grad for p in ps]
         ref = next((g for g in grads if g is not None), ps[0])
@@ -127,26 +128,40 @@ class GradReducer:
         flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, ps)]
                          + [flags])
         work = all_reduce(flat, self.group, async_op=True)
-        self.works.append((work, flat, b, all(g is not None for g in grads)))
+        self.works.append((work, flat, b, all(g is not None for g in grads), grads))
 
     def finish(self) -> None:
         """Launch what backward did not, wait, and write the sums back (None where no member had one)."""
+        self.complete(self.launch())
+
+    def launch(self) -> Reduction:
+        """Launch what backward did not, and the presence flags', waiting for none: the sums of the gradients
+        the parameters hold now, which `complete` writes back. Their .grad may be dropped in between (a
+        deferred update's all-reduce runs under the next minibatch, update.py): the reduction holds them."""
         self.armed = False
         self._unhook()
         while self.next < len(self.buckets):
             self._launch(self.next)
             self.next += 1
+        out = Reduction(self.works, self._presence())
+        self.works, self.absent, self.next = [], [], 0
+        return out
+
+    def complete(self, red: Reduction) -> None:
+        """Wait for `red` and give each parameter its sum (None where no member had one), in the gradient
+        tensor it held at the launch where it had one."""
         scale = 1.0 / group_size(self.group) if self.average else None
-        flags = self._presence()
+        flags = red.wait_flags()
         seen: list[float] = []  # the flags, read (a device sync) at the first absent in-place gradient
-        for work, flat, b, here in self.works:
+        for work, flat, b, here, grads in red.works:
             work.wait()
             ps = self.buckets[b]
             if flat is None:  # reduced in place
-                g = ps[0].grad
+                g = grads[0]
                 assert g is not None
                 if scale is not None:
                     g.mul_(scale)
+                ps[0].grad = g
                 if not here:
                     assert flags is not None  # an in-place bucket: its flags were all-reduced
                     seen = seen or flags.tolist()
@@ -159,31 +174,36 @@ class GradReducer:
             # Present here means present in the sum: read the flags (a device sync) only otherwise.
             present = [True] * len(ps) if here else flat[total:].tolist()
             offset = 0
-            for p, flag in zip(ps, present):
+            for p, held, flag in zip(ps, grads, present):
                 n = p.numel()
-                if flag:
-                    chunk = flat[offset:offset + n].view_as(p)
-                    if p.grad is None:
-                        p.grad = chunk.clone()
-                    else:
-                        p.grad.copy_(chunk)
-                else:
-                    p.grad = None
+                chunk = flat[offset:offset + n].view_as(p)
+                p.grad = None if not flag else chunk.clone() if held is None else held.copy_(chunk)
                 offset += n
-        self.works.clear()
-        self.absent.clear()
-        self.next = 0
 
-    def _presence(self) -> torch.Tensor | None:
+    def _presence(self) -> tuple[torch.Tensor, Any] | None:
         """The in-place buckets' presence flags summed over the group (every member, every step, in the same
-        order), on the device, unread; None without such buckets."""
+        order), launched, on the device, unread: (flags, work); None without such buckets."""
         if not self.alone:
             return None
         ref = self.buckets[next(iter(self.alone))][0]
         flags = torch.ones(len(self.alone), dtype=torch.float32, device=ref.device)
         for b in self.absent:
             flags[self.alone[b]].zero_()
-        all_reduce(flags, self.group, async_op=True).wait()  # on a GPU: the stream waits, not the host
+        return flags, all_reduce(flags, self.group, async_op=True)
+
+
+@dataclass
+class Reduction:
+    """The collectives of one launch (GradReducer.launch), not waited for yet."""
+
+    works: list[tuple[Any, torch.Tensor | None, int, bool, list[torch.Tensor | None]]]
+    presence: tuple[torch.Tensor, Any] | None
+
+    def wait_flags(self) -> torch.Tensor | None:
+        if self.presence is None:
+            return None
+        flags, work = self.presence
+        work.wait()  # on a GPU: the stream waits, not the host
         return flags
 
 

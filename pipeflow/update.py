@@ -1,5 +1,6 @@
-"""The optimizer update at a STEP, once the gradients are final: the step gate (guard.StepGuard), the optimizer, the
-sharded optimizer's broadcast (shard.py) and the gradients dropped; or the same one STEP late.
+"""The optimizer update at a STEP, once the gradients are final: the replicas' all-reduce completed (reduce.py),
+the step gate (guard.StepGuard), the optimizer, the sharded optimizer's broadcast (shard.py) and the gradients
+dropped; or the same one STEP late.
 
 Deferred updates (2bw's last stage and data parallelism, stash.defers_update). PipeDream-2BW runs minibatch k on
 version k - 1 of the weights. Where a worker runs no forward ahead of a minibatch's end, the update that makes
@@ -7,12 +8,17 @@ version k need not exist before minibatch k + 1 starts: the STEP ending minibatc
 gradient (W_k = update(W_{k-1}, g_{k-1})) and holds g_k until the next STEP or the segment's end (`drain`). Each
 update is the same function of the same weights, gradient and optimizer state, in the same order, so the weights
 are those of updating at once on copies, bit for bit; but every microbatch runs on the live weights: no weight
-copy, no gradients added from a copy's, and the replicas' all-reduce starts during the last backward (a hook fires
-only on the live weights' graph, reduce.py). The held gradient takes the copy's memory (a 1/r share of it with a
+copy, no gradients added from a copy's. The held gradient takes the copy's memory (a 1/r share of it with a
 sharded optimizer: only the owned parameters' gradients are held).
 
-The gate decides on each gradient when it is final, at its own STEP (the gradient and that minibatch's losses,
-as without deferral); its outcome, and the device flag of a gate that arms the optimizer to skip on the device
+Late reduction (`late`: a deferred update without a sharded optimizer, ScheduleKind.reduce_waits_a_step). As g_k
+is applied only at the next STEP, the replicas' all-reduce of g_k is launched at the STEP ending minibatch k, all
+of it at once, and completed at the next, under minibatch k + 1's forwards and backwards instead of beside the
+last backward, whose GEMMs its kernels slow (benchmarks/gpu). The gate then decides on g_k at the next STEP, on
+the reduced gradient and minibatch k's losses (`checking`), just before the update that applies it.
+
+The gate decides on each gradient when it is final (the gradient and that minibatch's losses, as without
+deferral); its outcome, and the device flag of a gate that arms the optimizer to skip on the device
 (hooks.arm_device_skip), travel with the held gradient to the update that applies it."""
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from typing import Any
 import torch
 
 from pipeflow.hooks import StepGate, arm_device_skip
+from pipeflow.reduce import GradReducer, Reduction
 from pipeflow.shard import ShardedUpdate
 
 log = logging.getLogger(__name__)
@@ -31,18 +38,41 @@ class Update:
     """One worker's updates: `step` at each STEP, `drain` at a segment's end (applies a held gradient)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
-                 shard: ShardedUpdate | None, *, deferred: bool, broadcast_overlaps: bool) -> None:
-        self.optimizer, self.params, self.shard = optimizer, params, shard
-        self.deferred = deferred
+                 shard: ShardedUpdate | None, reducers: list[GradReducer], *, deferred: bool, late: bool,
+                 broadcast_overlaps: bool) -> None:
+        self.optimizer, self.params, self.shard, self.reducers = optimizer, params, shard, reducers
+        self.deferred, self.late = deferred, late and deferred and shard is None and bool(reducers)
         # The owners' new weights travel under the next minibatch only where it runs on a stashed version.
         self.overlap = broadcast_overlaps and not deferred
         updated = {id(p) for g in optimizer.param_groups for p in g["params"]}
         self.held_mask = [id(p) in updated for p in params]  # what a deferred update holds (the owned ones)
         self.held: tuple[list[torch.Tensor | None], bool, Any] | None = None  # (gradients, gate's outcome, flag)
+        self.launched: list[Reduction] = []  # late: this STEP's all-reduce (`reduce`)
+        self.in_flight: tuple[list[Reduction], list[torch.Tensor]] | None = None  # late: g_k's all-reduce, losses
+        self.checking: list[torch.Tensor] | None = None  # late: the losses the gate checks with the gradient
         if deferred:
-            log.info("each update applied one STEP late on the live weights: no weight copies")
+            log.info("each update applied one STEP late on the live weights: no weight copies%s",
+                     "; the replicas' all-reduce under the next minibatch" if self.late and reducers else "")
 
-    def step(self, gate: StepGate | None) -> None:
+    def reduce(self) -> None:
+        """A STEP's first part: the replicas' all-reduce (chunk order, then ties) completed, or launched where late;
+        the last STEP's broadcast, when deferred, landed before the weights are used."""
+        if self.late:
+            self.launched = [r.launch() for r in self.reducers]
+            return
+        for r in self.reducers:
+            r.finish()
+        if self.shard is not None:
+            self.shard.finish()
+
+    def step(self, gate: StepGate | None, losses: list[torch.Tensor]) -> None:
+        """A STEP's update, after `reduce`; `losses`: those of the minibatch it ends (where this worker has them)."""
+        if self.late:
+            for p in self.params:  # the reductions hold them; the next minibatch starts from none
+                p.grad = None
+            self._complete(gate)  # minibatch k - 1's, gated and applied now
+            self.in_flight = (self.launched, list(losses))
+            return
         if not self.deferred:
             self._apply(gate is None or gate(), overlap=self.overlap)
             return
@@ -56,12 +86,30 @@ class Update:
         for p in self.params:  # held or dropped (a sharded stage's others): the next minibatch starts from none
             p.grad = None
 
-    def drain(self) -> None:
+    def drain(self, gate: StepGate | None) -> None:
         """A segment's end: the held gradient applied (checkpoints and --save read the weights), the broadcast
         landed."""
+        self._complete(gate)
         self._restore()
         if self.shard is not None:
             self.shard.finish()
+
+    def _complete(self, gate: StepGate | None) -> None:
+        """Late reduction: the gradient in flight, reduced, gated and applied."""
+        if self.in_flight is None:
+            return
+        launched, self.checking = self.in_flight
+        self.in_flight = None
+        for r, red in zip(self.reducers, launched):
+            r.complete(red)
+        for p, keep in zip(self.params, self.held_mask):
+            if not keep:  # outside the optimizer: dropped, as a held gradient's
+                p.grad = None
+        try:
+            ok = gate is None or gate()
+        finally:
+            self.checking = None
+        self._apply(ok, overlap=False)
 
     def _restore(self) -> None:
         if self.held is None:

@@ -124,7 +124,7 @@ def test_an_armed_reducer_overlaps_its_buckets_with_gemm_accumulation(one_rank_g
     red.arm([loss])
     loss.backward()
     plain(xs[2]).sum().backward()
-    assert [b for _, _, b, _ in red.works] == [0, 1, 2, 3]  # launched in the backward, not in finish()
+    assert [b for _, _, b, _, _ in red.works] == [0, 1, 2, 3]  # launched in the backward, not in finish()
     assert gemm_calls[4:] == [False, False]  # hooked while armed: autograd's accumulation
     red.finish()
     assert all(not p._post_accumulate_grad_hooks for p in net.parameters())

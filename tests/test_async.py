@@ -178,6 +178,7 @@ CASES = {
     "2bw-gptfine-np2": ("gpt-fine", "2bw", [(4, 1), (6, 1)], 5, 2, "adam"),  # and after Expand (4 x wide)
 }
 WARMUP = {"2bw-mlp-warmup": "4,2,0"}  # --warmup: deeper than 2bw's own 2,1,0; versions per minibatch, same result
+LATE = {"2bw-mlp-1-3": ["1", "2", "3"]}  # the ranks of a replicated last stage: the all-reduce under the next minibatch
 
 
 def delayed(d: Path, case: str) -> Case:
@@ -193,7 +194,7 @@ def delayed(d: Path, case: str) -> Case:
                       "--momentum", "0.9" if opt == "sgd" else "0", "--dtype", "float64", "--device", "cpu",
                       "--save", str(d / "model.pt")] + (["--vertical-sync"] if vsync else [])
                 + (["--warmup", WARMUP[case]] if case in WARMUP else []),
-                env={"PIPEFLOW_LOG": "INFO"} if case in WARMUP else {})
+                env={"PIPEFLOW_LOG": "INFO"} if case in WARMUP or case in LATE else {})
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -214,6 +215,10 @@ def test_async_equals_delayed_reference(mpi: MpiRun, case):
     # The delayed rule matters here: the result differs from flush training on the same samples.
     flush = reference_flush(BUILDER.get(model, model), MODELS[model], **kw)
     assert any(not torch.allclose(want[k], flush[k], rtol=1e-6, atol=1e-8) for k in want)
+    if case in LATE:  # each gradient's all-reduce completed at the next STEP (pipeflow/update.py), none on stage 0
+        assert sorted(re.findall(r"\[rank (\d)\] INFO pipeflow.update: each update applied one STEP late on the live "
+                                 r"weights: no weight copies; the replicas' all-reduce under the next minibatch",
+                                 mpi.proc.stderr)) == LATE[case], mpi.proc.stderr
     if case in WARMUP:  # it ran the deeper warm-up, with the copies the memory model counts (2, 2, 0)
         assert f"2bw warm-up: {WARMUP[case].replace(',', ', ')} forwards" in mpi.proc.stderr
         held = sorted(re.findall(r"\[rank (\d)\] INFO pipeflow.stash: stash peak: \d+ bytes, (\d) versions",

@@ -339,7 +339,7 @@ def test_reducer_launches_during_backward_only_what_is_final(one_rank_group):
     used.weight.register_post_accumulate_grad_hook(lambda p: launched.append(len(red.works)))
     loss.backward()
     # Reverse order: out.bias, out.weight, spare.bias, spare.weight, used.bias, used.weight (the last).
-    assert launched == [6] and [b for _, _, b, _ in red.works] == [0, 1, 2, 3, 4, 5]  # all, in backward
+    assert launched == [6] and [b for _, _, b, _, _ in red.works] == [0, 1, 2, 3, 4, 5]  # all, in backward
     want = {id(p): None if p.grad is None else p.grad.clone() for p in params}
     red.finish()
     assert spare.weight.grad is None and spare.bias.grad is None

@@ -26,6 +26,8 @@ Rows (';'-separated), every one at --sequences per optimizer step (default 64):
                                     added into .grad by autograd, the default, as in plain PyTorch, or by the GEMM)
     ... flat                        pf/big rows: PIPEFLOW_REDUCE_INPLACE above every tensor (the replicas' all-reduce
                                     through flat buckets only, as before the in-place all-reduce)
+    ... env:NAME=VALUE              pf/big rows: the environment variable set for pipeflow-train (any number of them,
+                                    e.g. env:PIPEFLOW_REDUCE_LATE=0 env:NCCL_MAX_NCHANNELS=2)
     ... busy                        pf/big rows: profiled with pipeflow-profile --ranks-per-host N (how much a
                                     companion running the model on every other GPU slows the passes: contention)
     ... trace                       pf/big rows: pipeflow-train --trace, then per rank the ms per step in each
@@ -322,7 +324,7 @@ class Bench:
            mem_gib: float | None = None, sizes: str | None = None, trace: bool = False, cal: bool = False,
            timing: str = "default", warmup: str | None = None, straight: bool = False,
            p2p: str | None = None, accum: str | None = None, busy: bool = False, shard: bool = False,
-           flat: bool = False) -> None:
+           flat: bool = False, env: dict[str, str] | None = None) -> None:
         """A pipeflow-train row. With `sizes` (a gb row) the profile holds those microbatch sizes and
         pipeflow-plan --global-batch picks b, m and the split; mb and m are then what it picked."""
         cfg = self.big if big else self.gpt
@@ -334,7 +336,8 @@ class Bench:
                + (f"-mem{mem_gib:g}" if mem_gib is not None else "") + (f"-{timing}" if timing != "default" else "")
                + (f"-warmup{warmup.replace(',', '_')}" if warmup else "") + ("-straight" if straight else "")
                + (f"-{p2p}" if p2p else "") + (f"-accum{accum}" if accum else "") + ("-busy" if busy else "")
-               + ("-shard" if shard else "") + ("-flat" if flat else "") + ("-trace" if trace else ""))
+               + ("-shard" if shard else "") + ("-flat" if flat else "") + ("-trace" if trace else "")
+               + "".join(f"-{k}{v}" for k, v in (env or {}).items()))
         name = (f"pipeflow {schedule}" + (" (large model)" if big else "")
                 + (f", {GRAINS[grain]} layers" if grain else ""))
         flags = ["--schedule", schedule] + (["--warmup", warmup] if warmup else [])
@@ -369,8 +372,9 @@ class Bench:
         if trace:
             trace_path.unlink(missing_ok=True)  # never an earlier call's (--work shared)
             cmd += ["--trace", str(trace_path)]
+        given = dict(env or {})
         env = {**({"PIPEFLOW_P2P": p2p} if p2p else {}), **({"PIPEFLOW_GRAD_ACCUM": accum} if accum else {}),
-               **({"PIPEFLOW_REDUCE_INPLACE": FLAT} if flat else {})}
+               **({"PIPEFLOW_REDUCE_INPLACE": FLAT} if flat else {}), **given}
         rc, out = self.sh(cmd, self.work / f"pf-{tag}.log", env)
         if trace and rc == 0 and trace_path.exists():
             for line in breakdown(json.loads(trace_path.read_text()), skip=max(1, self.a.steps // 3)):
@@ -396,6 +400,8 @@ class Bench:
             how += ", --shard-optimizer"
         if flat:
             how += f", PIPEFLOW_REDUCE_INPLACE={FLAT}"
+        for k, v in given.items():
+            how += f", {k}={v}"
         if p2p:
             how += f", PIPEFLOW_P2P={p2p}"
         if accum:
@@ -473,20 +479,22 @@ class Bench:
                     accum = [x[6:] for x in extra if x.startswith("accum=")]
                     words = (*GRAINS, "trace", "cal", "straight", "shard", "busy", "flat", *TIMED,
                              *P2P_WORDS, *ACCUM_WORDS)
-                    bad = [x for x in extra if x not in words and not x.startswith(("mem=", "warmup="))]
+                    envs = dict(x[4:].split("=", 1) for x in extra if x.startswith("env:") and "=" in x[5:])
+                    bad = [x for x in extra if x not in words and not x.startswith(("mem=", "warmup="))
+                           and not (x.startswith("env:") and "=" in x[5:])]
                     if (bad or ((mem or {"straight", "shard"} & set(extra)) and w[4] != "plan")
                             or (w[4] == "spot" and {"cal", "busy", *TIMED} & set(extra))
                             or len(set(TIMED) & set(extra)) > 1 or len(set(GRAINS) & set(extra)) > 1
                             or len(warm) > 1 or len(p2p) > 1 or len(accum) > 1):
                         raise ValueError(f"after the split a {w[0]} row takes 'sub' or 'fine', 'trace', 'cal', "
-                                         f"'busy', 'flat', one of "
+                                         f"'busy', 'flat', 'env:NAME=VALUE', one of "
                                          f"{', '.join(TIMED)} (not with 'spot'), 'warmup=W', one of "
                                          f"{', '.join(P2P_WORDS)}, one of {', '.join(ACCUM_WORDS)} and, with "
                                          f"'plan', 'mem=GIB', 'straight' and 'shard'; found {' '.join(extra)!r}")
                     self.pf(w[1], int(w[2]), int(w[3]), w[4], big=w[0] == "big", grain=_grain(extra),
                             mem_gib=mem[0] if mem else None, trace="trace" in extra, cal="cal" in extra,
                             timing=_timing(extra), warmup=warm[0] if warm else None, straight="straight" in extra,
-                            shard="shard" in extra, flat="flat" in extra,
+                            shard="shard" in extra, flat="flat" in extra, env=envs,
                             p2p=p2p[0] if p2p else None, accum=accum[0] if accum else None, busy="busy" in extra)
                 elif w[0] == "gb":
                     extra = w[3:]
