@@ -37,7 +37,7 @@ cuda: Any = torch.cuda  # streams and events (tests/test_celink.py replays the p
 
 SLOTS = 4  # messages a channel holds before its sender's stream waits for the receiver's pulls
 ALIGN = 256
-Key = tuple[int, int, str]  # (sender, receiver, "F" | "B")
+Key = tuple[int, int, str]  # (sender, receiver, "F" | "B" | "R")
 
 
 class Rank(Protocol):
@@ -148,13 +148,17 @@ class CopyEngines:
         pairs = [(dst + off, b.data_ptr(), _nbytes(b)) for b, off in zip(bufs, offsets, strict=True)]
         return Work(end.move(pairs, n), bufs)
 
-    def recv(self, key: Key, bufs: list[torch.Tensor]) -> Work:
+    def recv(self, key: Key, bufs: list[torch.Tensor], *, now: bool = False) -> Work:
+        """A receive, posted at once where its ring is known, else at its wait; `now`: at once, waiting for the
+        sender's ring message (PairSum: the sender has sent it, or is about to, at its own send of this message)."""
         end = self.ends[key]
         work = Work(None, bufs, end.count)
         end.count += 1
         if end.deferred or not self._known(end, work.layout[1]):
             work.post = lambda: self._post_deferred(end, work)
             end.deferred.append(work)
+            if now:
+                work.post()
         else:
             self._pull(end, work)
         return work
@@ -220,3 +224,64 @@ class CopyEngines:
         for addr in self.pages:
             (cudadrv.ipc_close if addr < 0 else cudadrv.free)(abs(addr))
         self.pages = []
+
+
+class PairSum:
+    """The replicas' all-reduce where they are two peer GPUs (PIPEFLOW_REDUCE=ce, reduce.GradReducer): each sends its
+    tensor to the other on its channel (me, peer, "R") and adds the one it pulls, on the pulling channel's stream,
+    so that no kernel waits for a transfer. NCCL's all-reduce, resident beside the last backward, made it 3% slower
+    on 2 x H200 whatever its channels (benchmarks/gpu/README.md). a + b and b + a round alike: both replicas hold
+    the same sum, the one NCCL's two-rank all-reduce gives."""
+
+    def __init__(self, engines: CopyEngines, me: int, peer: int) -> None:
+        self.engines, self.out, self.into = engines, (me, peer, "R"), (peer, me, "R")
+
+    def __call__(self, t: torch.Tensor) -> Summed:
+        return self.receive(t, self.send(t))
+
+    def send(self, t: torch.Tensor) -> Work:
+        return self.engines.send(self.out, [t])
+
+    def receive(self, t: torch.Tensor, sent: Work) -> Summed:
+        """The peer's tensor pulled and added to `t` (sent as `sent`). The pull is posted now, waiting on the host for
+        the peer's ring message where it has not come yet: posted at the wait instead, it would come after whatever
+        the host does first, while the peer's sends past SLOTS wait on the GPU for it. A device-wide sync in between
+        (NCCL creating a communicator for the presence flags, reduce.py) then waited for them: both ranks hung."""
+        buf = torch.empty_like(t)  # on the compute stream; the pull waits for it (CopyEngines._pull)
+        got = self.engines.recv(self.into, [buf], now=True)
+        return Summed(t, buf, sent, got, self.engines.ends[self.into].stream)
+
+
+class Summed:
+    """A PairSum in flight, like a torch.distributed work: wait() makes the current stream wait for the sum in
+    place (the host never waits). The add is queued once the pull is: at once, or at wait() where the peer's ring
+    was not known yet (the first messages)."""
+
+    def __init__(self, t: torch.Tensor, buf: torch.Tensor, sent: Work, got: Work, stream: Any) -> None:
+        self.t, self.sent, self.got, self.stream = t, sent, got, stream
+        self.buf: torch.Tensor | None = buf
+        self.event: Any = None
+        if got.event is not None:
+            self._add()
+
+    def _add(self) -> None:
+        if self.got.post is not None:
+            self.got.post()
+        assert self.sent.event is not None and self.buf is not None
+        self.stream.wait_event(self.sent.event)  # this tensor is copied out before it is added to
+        add_on(self.stream, self.t, self.buf)  # after the pull, on its stream
+        self.buf = None
+        self.event = cuda.Event()
+        self.event.record(self.stream)
+
+    def wait(self) -> None:
+        if self.event is None:
+            self._add()
+        cuda.current_stream().wait_event(self.event)
+
+
+def add_on(stream: Any, t: torch.Tensor, buf: torch.Tensor) -> None:
+    """t += buf on `stream`; buf is freed once that has run, not when the compute stream gets there."""
+    with cuda.stream(stream):
+        t.add_(buf)
+    buf.record_stream(stream)

@@ -19,6 +19,7 @@ from pipeflow.failure import UsageError
 log = logging.getLogger("pipeflow.celink")  # one logger name for the copy engines' lines
 
 TRANSPORTS = ("auto", "nccl", "ce")
+REDUCE_TRANSPORTS = ("nccl", "ce")
 
 
 def p2p_transport(environ: Mapping[str, str] = os.environ) -> str:
@@ -27,6 +28,16 @@ def p2p_transport(environ: Mapping[str, str] = os.environ) -> str:
     text = environ.get("PIPEFLOW_P2P", "auto")
     if text not in TRANSPORTS:
         raise ValueError(f"PIPEFLOW_P2P must be one of {', '.join(TRANSPORTS)}, found {text!r}")
+    return text
+
+
+def reduce_transport(environ: Mapping[str, str] = os.environ) -> str:
+    """PIPEFLOW_REDUCE: how a stage's two replicas sum their gradients: nccl (the default: NCCL's all-reduce) or ce
+    (each pulls the other's on the copy engines and adds it, celink.PairSum, where the two GPUs are peers on one
+    host; NCCL elsewhere and for more replicas)."""
+    text = environ.get("PIPEFLOW_REDUCE", "nccl")
+    if text not in REDUCE_TRANSPORTS:
+        raise ValueError(f"PIPEFLOW_REDUCE must be one of {', '.join(REDUCE_TRANSPORTS)}, found {text!r}")
     return text
 
 

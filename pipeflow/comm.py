@@ -247,14 +247,14 @@ class P2P:
         """Receive buffers of a microbatch whose backward ran go back to the pool (bufpool.BufferPool.release)."""
         self.pool.release(bufs, keep)
 
-    def warm_up(self) -> None:
+    def warm_up(self, reduce_keys: list[tuple[int, int, str]] | None = None) -> None:
         """Set up the copy-engine channels (celink, PIPEFLOW_P2P), then open every NCCL channel once, in the
         order all ranks created them: NCCL creates a communicator at its first use and blocks the host until the
         peer joins, which must not happen mid-schedule. Each pair finishes its exchange before either side moves
         on, so this cannot deadlock."""
         if self.world.size == 1:
             return
-        self.ce = setup_copy_engines(self.world, list(self.groups), p2p_transport())
+        self.ce = setup_copy_engines(self.world, list(self.groups) + (reduce_keys or []), p2p_transport())
         probe = torch.zeros(1, device=self.world.device)
         for src, dst, d in self.groups:
             if (self.ce and self.ce.has((src, dst, d))) or self.world.rank not in (src, dst):

@@ -59,7 +59,7 @@ def check_device(device: str) -> None:
 
 def check_environment(environ: Mapping[str, str]) -> None:
     """The PIPEFLOW_* knobs of the README: checked on every run, not only where they are used."""
-    from pipeflow.cesetup import p2p_transport
+    from pipeflow.cesetup import p2p_transport, reduce_transport
     from pipeflow.links import gloo_groups, inplace_elements, p2p_max_ctas, reduce_late
     from pipeflow.split import gemm_accumulation
 
@@ -70,6 +70,7 @@ def check_environment(environ: Mapping[str, str]) -> None:
         reduce_late(environ)
         gloo_groups(environ)
         p2p_transport(environ)
+        reduce_transport(environ)
         gemm_accumulation(environ)
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -18,7 +18,8 @@ import numpy as np
 # Every MPI tag the runtime uses on COMM_WORLD, in one place, so that no two uses share one. Messages of
 # one (source, tag) arrive in order; the receivers of these never use ANY_TAG.
 META_TAG = 71            # comm.P2P: the shapes and dtypes of a channel's tensors, once per input shape
-RING_TAGS = {"F": 72, "B": 73}  # celink: a sender's new ring of slots, per direction of a channel
+RING_TAGS = {"F": 72, "B": 73, "R": 74}  # celink: a sender's new ring of slots, per direction of a channel ("R": the
+#                                          replicas' gradient sum on the copy engines, celink.PairSum)
 HEARTBEAT_TAG = 0x7E57   # watchdog: peer heartbeats
 STOP_TAG = 0x7E58        # interrupt: a signalled rank tells the others
 OPTIMIZER_STATE_TAG = 0x5A4  # checkpoint: a sharded stage's optimizer state, each replica's to replica 0

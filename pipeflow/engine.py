@@ -60,8 +60,7 @@ class Engine:
         self._parameters = list(live.values())  # once: read at every update; the objects never change
         self.flush, self.vertical_sync = self.kind.flush, vertical_sync
         self.warmup = warmup if warmup is not None else plan.warmup  # None: the plan's (else the minimum)
-        # Flush schedules repeat one step's list; asynchronous ones run a segment's as one (begin_segment).
-        self._scheds: dict[int, Schedule] = {}
+        self._scheds: dict[int, Schedule] = {}  # flush: one step's list, repeated; asynchronous: a segment's
         self.mb_offset = 0  # asynchronous: global index of the current segment's microbatch 0
         self._use_schedule(1 if self.flush else (segment_steps or total_steps))
         # Tied parameters (embedding and head): one logical parameter, its gradient summed over all holders.
@@ -71,7 +70,7 @@ class Engine:
         links = make_links(world, plan, self.ties)
         self.replica_groups, self.loss_group = links.replica_groups, links.loss_group
         self.p2p = P2P(world, links.p2p, window=send_window(self.sched))
-        self.p2p.warm_up()
+        self.p2p.warm_up(links.reduce_keys)  # with the replicas' copy-engine channels (PIPEFLOW_REDUCE=ce)
         self._logged_peak = 0
         st = plan.stages[self.s]
         self.shard = sharded(self._parameters, st.replicas, self.r, self.replica_groups.get(tuple(st.ranks)),
@@ -82,7 +81,8 @@ class Engine:
             self._new_policy()
         last, deferred = self.s == self.S - 1, isinstance(self.policy, LiveWeights)  # deferred: 2bw's last stage
         late = deferred and reduce_late() and self.kind.reduce_waits_a_step(last, self.shard is not None)
-        self.tie_reducers, self.reducers = make_reducers(self.stages, self.ties, links, st.ranks, self.kind, late)
+        self.tie_reducers, self.reducers = make_reducers(self.stages, self.ties, links, st.ranks, self.kind,
+                                                         self.p2p, late)
         self.update = Update(self.optimizer, self.parameters(), self.shard, [*self.reducers.values(),
                              *self.tie_reducers], deferred=deferred, late=late,
                              broadcast_overlaps=self.kind.broadcast_overlaps(last))

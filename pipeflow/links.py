@@ -16,7 +16,9 @@ import torch
 
 from partitioner.plan import Plan
 from pipeflow.actions import Action, Kind, Schedule
-from pipeflow.comm import World, nccl_p2p_options, new_group, new_groups
+from pipeflow.celink import PairSum
+from pipeflow.cesetup import reduce_transport
+from pipeflow.comm import P2P, World, nccl_p2p_options, new_group, new_groups
 from pipeflow.kinds import ScheduleKind
 from pipeflow.reduce import GradReducer, Tie
 from pipeflow.stage import Stage
@@ -32,6 +34,8 @@ class Links:
     replica_groups: dict[tuple[int, ...], Any]  # a replicated group's ranks -> its group
     loss_group: Any  # the last stage's replicas (they sum the loss), or None
     tie_groups: dict[tuple[int, ...], Any]  # ranks holding a tied parameter -> their group
+    # (sender, receiver, "R") both ways for each stage's two replicas under PIPEFLOW_REDUCE=ce (celink.PairSum)
+    reduce_keys: list[tuple[int, int, str]]
 
 
 def make_links(world: World, plan: Plan, ties: list[Tie]) -> Links:
@@ -60,7 +64,20 @@ def make_links(world: World, plan: Plan, ties: list[Tie]) -> Links:
     loss_group = replica_groups.get(tuple(last.ranks)) if last.replicas > 1 else None
     # Tied parameters: one group per rank set holding one, after the others.
     tie_groups = new_groups(world, [t.ranks for t in ties])
-    return Links(groups, replica_groups, loss_group, tie_groups)
+    pairs2 = [st.ranks for st in rank_groups if st.replicas == 2] if reduce_transport() == "ce" else []
+    return Links(groups, replica_groups, loss_group, tie_groups, [(a, b, "R") for x, y in pairs2
+                                                                   for a, b in ((x, y), (y, x))])
+
+
+def pair_sum(p2p: P2P, ranks: list[int]) -> PairSum | None:
+    """The sum over a stage's two replicas `ranks` on the copy engines, where warm_up set up both channels."""
+    me = p2p.world.rank
+    peer = next((r for r in ranks if r != me), me)
+    keys = ((me, peer, "R"), (peer, me, "R"))
+    if p2p.ce is None or len(ranks) != 2 or not all(p2p.ce.has(k) for k in keys):
+        return None
+    log.info("the replicas' gradients summed on the copy engines with rank %d at the STEP (PIPEFLOW_REDUCE=ce)", peer)
+    return PairSum(p2p.ce, me, peer)
 
 
 GLOO_GROUPS = ("auto", "1", "2")
@@ -163,10 +180,11 @@ def tied_async_error(ties: list[Tie], schedule: str) -> str:
 
 
 def make_reducers(stages: dict[int, Stage], ties: list[Tie], links: Links, ranks: list[int], kind: ScheduleKind,
-                  late: bool = False) -> tuple[list[GradReducer], dict[int, GradReducer]]:
+                  p2p: P2P, late: bool = False) -> tuple[list[GradReducer], dict[int, GradReducer]]:
     """The gradient reducers of a rank's chunks: one per tie rank set it is in (summing a tied parameter's
     gradient over its uses), and with replicas one per chunk over the replica group, tied parameters apart.
-    `late` (a deferred update's all-reduce under the next minibatch, update.py): none started during a backward."""
+    `late` (a deferred update's all-reduce under the next minibatch, update.py): none started during a backward;
+    nor with two replicas summing on the copy engines (PIPEFLOW_REDUCE=ce, pair_sum): from the main thread."""
     chunks = list(stages.values())
     tied = {id(p) for _, p in tied_here(ties, chunks)}
     tie_reducers = [GradReducer(params, group, overlap=False) for params, group in tie_groups(ties, chunks,
@@ -177,10 +195,11 @@ def make_reducers(stages: dict[int, Stage], ties: list[Tie], links: Links, ranks
     # async: PipeDream's replicas are DDP, an update takes the mean of their r gradients; flush schedules
     # scale each microbatch's loss by 1/m, so the sum is already the minibatch mean. Several chunks: each
     # reduces in finish(), in chunk order, the same on every replica.
+    exchange = pair_sum(p2p, ranks)
     return tie_reducers, {k: GradReducer([p for p in c.parameters() if id(p) not in tied], group,
                                          average=kind.mean_over_replicas,
-                                         overlap=len(chunks) == 1 and not late,
-                                         large=inplace_elements())
+                                         overlap=len(chunks) == 1 and not late and exchange is None,
+                                         large=inplace_elements(), exchange=exchange)
                           for k, c in stages.items()}
 
 

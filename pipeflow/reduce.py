@@ -3,7 +3,7 @@ backward (Poseidon ATC'17, wait-free backpropagation), and the sum of a tied par
 every stage that holds it (Megatron-LM's embedding group)."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +45,12 @@ class GradReducer:
     """
 
     def __init__(self, params: list[nn.Parameter], group: Any, *, average: bool = False,
-                 bucket_bytes: int = 25 << 20, overlap: bool = True, large: int = LARGE) -> None:
+                 bucket_bytes: int = 25 << 20, overlap: bool = True, large: int = LARGE,
+                 exchange: Callable[[torch.Tensor], Any] | None = None) -> None:
         self.group = group
+        # How a bucket is summed over the group, in place, returning a work to wait on: NCCL's (gloo's) all-reduce,
+        # or for two replicas on peer GPUs the copy engines' (celink.PairSum, PIPEFLOW_REDUCE=ce).
+        self.exchange = exchange or (lambda t: all_reduce(t, group, async_op=True))
         self.average = average
         self.buckets: list[list[nn.Parameter]] = []
         self.alone: dict[int, int] = {}  # bucket -> its index among the in-place ones (a large parameter)
@@ -116,7 +120,7 @@ class GradReducer:
                 p.grad = torch.zeros_like(p)  # what this member adds to the sum
             elif not p.grad.is_contiguous():  # a collective takes contiguous tensors
                 p.grad = p.grad.contiguous()
-            self.works.append((all_reduce(p.grad, self.group, async_op=True), None, b, here, [p.grad]))
+            self.works.append((self.exchange(p.grad), None, b, here, [p.grad]))
             return
         grads = [p.grad for p in ps]
         ref = next((g for g in grads if g is not None), ps[0])
@@ -127,8 +131,7 @@ class GradReducer:
                 flags[k].zero_()
         flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, ps)]
                          + [flags])
-        work = all_reduce(flat, self.group, async_op=True)
-        self.works.append((work, flat, b, all(g is not None for g in grads), grads))
+        self.works.append((self.exchange(flat), flat, b, all(g is not None for g in grads), grads))
 
     def finish(self) -> None:
         """Launch what backward did not, wait, and write the sums back (None where no member had one)."""

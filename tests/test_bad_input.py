@@ -59,10 +59,11 @@ def nan_data_mlp(**kw: int) -> ModelSpec:
                                            "gradient is all-reduced in place), found '0'"),
     ([], {"PIPEFLOW_REDUCE_LATE": "yes"}, "PIPEFLOW_REDUCE_LATE must be 1 (a deferred update's all-reduce under the "
                                           "next minibatch) or 0 (beside the last backward), found 'yes'"),
+    ([], {"PIPEFLOW_REDUCE": "nvlink"}, "PIPEFLOW_REDUCE must be one of nccl, ce, found 'nvlink'"),
 ])
 def test_bad_flags_and_environment_are_refused_in_one_line(monkeypatch, argv, env, message):
     for name in ("PIPEFLOW_LOG", "PIPEFLOW_P2P_MAX_CTAS", "PIPEFLOW_STACK_DUMP_S", "PIPEFLOW_REDUCE_INPLACE",
-                 "PIPEFLOW_REDUCE_LATE"):
+                 "PIPEFLOW_REDUCE_LATE", "PIPEFLOW_REDUCE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)

@@ -407,3 +407,71 @@ def test_setup_falls_back_to_nccl_on_every_rank_when_one_cannot(monkeypatch: pyt
                        r"cuIpcOpenMemHandle_v2 failed: CUDA error 201 \(invalid device context\)\); use "
                        r"PIPEFLOW_P2P=auto or nccl$"):
         _setup(monkeypatch, None, mode="ce", open_fails=True)
+
+
+def _pair_sum(monkeypatch: pytest.MonkeyPatch, seed: int) -> tuple[Any, list[tuple[celink.PairSum, Any]]]:
+    """Two replicas' celink.PairSum ends on a fake GPU (and their compute streams)."""
+    gpu = FakeGPU(seed)
+    drv, cuda = _fakes(gpu)
+    monkeypatch.setattr(celink, "cudadrv", drv)
+    monkeypatch.setattr(celink, "cuda", cuda)
+    monkeypatch.setattr(celink, "add_on", lambda st, t, buf: st.ops.append(Op(lambda: True, lambda: t.add_(buf))))
+    boxes: dict[tuple[int, int, int], list[Any]] = {}
+    pages = [drv.alloc(256), drv.alloc(256)]
+    out, into = (0, 1, "R"), (1, 0, "R")  # flags as cesetup lays them: key i's `full` at 8i, `empty` at 8i + 4
+    sides = []
+    for rank in (0, 1):
+        world = types.SimpleNamespace(rank=rank, mpi=FakeMPI(rank, boxes), device=torch.device("cpu"))
+        compute = FakeStream(gpu)
+        me, peer = pages[rank], pages[1 - rank]
+        ends = {out: celink.End(out, world.device, me + 4, peer) if rank == 0 else celink.End(out, world.device, me,
+                                                                                              peer + 4),
+                into: celink.End(into, world.device, me + 8, peer + 12) if rank == 0 else celink.End(
+                    into, world.device, me + 12, peer + 8)}
+        sides.append((celink.PairSum(celink.CopyEngines(world, ends, []), rank, 1 - rank), compute))
+    return gpu, sides
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_two_replicas_sum_on_the_copy_engines(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """celink.PairSum (PIPEFLOW_REDUCE=ce): each replica sends its tensor and adds the one it pulls; both end with
+    a + b exactly (the sum NCCL's two-rank all-reduce gives), in any order of the streams, with rings growing, every
+    pull posted at its receive (reading a new ring's message then), and a replica's tensor copied out before the
+    peer's is added to it."""
+    gpu, sides = _pair_sum(monkeypatch, seed)
+    sizes = [64, 300, 300, 8, 1000, 64, 64, 64, 64, 300]  # more messages than slots; the ring grows twice
+    g = torch.Generator().manual_seed(seed)
+    tensors = [[torch.randn(n, generator=g) for n in sizes] for _ in range(2)]
+    want = [a + b for a, b in zip(*tensors, strict=True)]
+    works: list[list[Any]] = [[], []]
+    for i in range(len(sizes)):  # both send, then both receive: a receive reads the peer's ring message at once
+        sent = []
+        for rank in (0, 1):
+            gpu.current = sides[rank][1]
+            sent.append(sides[rank][0].send(tensors[rank][i]))
+        for rank in (0, 1):
+            gpu.current = sides[rank][1]
+            works[rank].append(sides[rank][0].receive(tensors[rank][i], sent[rank]))
+    # Every pull posted at its receive, none left to a wait: the peer's sends past SLOTS wait on the GPU for them.
+    assert all(w.got.event is not None and w.event is not None for ws in works for w in ws)
+    for rank in (0, 1):
+        gpu.current = sides[rank][1]
+        for w in works[rank]:
+            w.wait()
+    assert gpu.run(), "the exchange deadlocked"
+    for rank in (0, 1):
+        for got, exp in zip(tensors[rank], want, strict=True):
+            assert torch.equal(got, exp)
+
+
+def test_a_pair_sums_receive_waits_for_the_peers_ring_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receive whose ring message has not come is posted at once, the host waiting for that message (which the
+    peer sends at its own send of this message), not left to its wait: the peer's sends past SLOTS wait on the GPU
+    for its pulls, and a device-wide sync before that wait (NCCL creating the presence flags' communicator) hung
+    both ranks on 2 x H200. Here rank 0 receives before rank 1 has sent: the fake MPI says it would wait."""
+    gpu, sides = _pair_sum(monkeypatch, 0)
+    gpu.current = sides[0][1]
+    t = torch.ones(8)
+    sent = sides[0][0].send(t)
+    with pytest.raises(AssertionError, match="rank 0 would wait for a message"):
+        sides[0][0].receive(t, sent)
