@@ -199,14 +199,14 @@ class CostModel:
         1/r share of it (each replica's, at most as many as the topology's groups of this level hold) and the
         broadcast of the other (r - 1)/r of the weights where it does not overlap the next minibatch (2bw's
         stages but the `last`, ScheduleKind.broadcast_overlaps; pipeflow/shard.py; outer levels' share: the
-        simulator). The owners broadcast one after another on one communicator, each its 1/r over the ring at
-        the link's bandwidth: p / bw in all, not an all-gather's (r - 1)/r of it (2 x H200: 12 ms for 2.68 GB)."""
+        simulator). The exchange of the owners' weights is priced as an all-reduce of them, 2 (r - 1)/r p / bw: it
+        moves half the bytes, but NCCL's point-to-point reached half its all-reduce's bandwidth (2 x H200, 2.68 GB)."""
         lay = self.layers
         if not lay.shard_optimizer:
             return np.asarray(lay.optimizer_ms_per_byte * p + lay.update_ms)
         r = np.asarray(r, dtype=np.float64)
         most = r * (self.topology.workers // self.topology.unit_size(level + 1))
-        sent = np.where(self.kind.broadcast_overlaps(np.asarray(last)) | (r == 1), 0.0, p / self.bw(level))
+        sent = np.where(self.kind.broadcast_overlaps(np.asarray(last)), 0.0, self.allreduce_ms(p, r, level))
         return lay.optimizer_ms_per_byte * p / most + lay.update_ms + sent
 
     def _flushed(self, busy: np.ndarray, i: np.ndarray | int, k: np.ndarray | int, r: np.ndarray | float,

@@ -61,8 +61,8 @@ def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int,
         ar = sum(2.0 * (f - 1) / f * p / bw for f, bw in factors)
         weight = 0.0 if lay.backward_weight_ms is None else scale * float(lay.backward_weight_ms[a:b].sum())
         share = 1.0 / len(rs) if lay.shard_optimizer else 1.0  # --shard-optimizer: a 1/r share of the update,
-        update = lay.optimizer_ms_per_byte * p * share + (  # then the owners' broadcasts in turn, level by level
-            sum(p / bw for f, bw in factors) if lay.shard_optimizer and sends[t] else 0.0)
+        update = lay.optimizer_ms_per_byte * p * share + (  # then the owners' exchange, priced as the all-reduce
+            ar if lay.shard_optimizer and sends[t] else 0.0)  # (costmodel.update_ms says why)
         out.append(StageCost(fwd, scale * float(lay.backward_ms[a:b].sum()) + float(extra_b), send, ar, p,
                              float(lay.activation_bytes[a:b].sum()), update, nbytes, weight,
                              lay.latency_ms, lay.message_ms, lay.loss_bytes if b == L else 0.0, share,

@@ -44,10 +44,8 @@ def _free_port() -> int:
 
 
 def init_world(*, device: str = "auto", timeout_s: float = 300.0) -> World:
-    """Rank, size and local rank from MPI; rank 0 picks the rendezvous address and broadcasts it.
-
-    CUDA ranks use NCCL on GPU `local_rank`; CPU ranks use gloo. A world of one needs no process group.
-    """
+    """Rank, size and local rank from MPI; rank 0 picks the rendezvous address and broadcasts it. CUDA ranks use
+    NCCL on GPU `local_rank`; CPU ranks use gloo. A world of one needs no process group."""
     from mpi4py import MPI
 
     warning = eager_cuda_modules()
@@ -115,9 +113,11 @@ def all_reduce(tensor: torch.Tensor, group: Any, *, async_op: bool = False) -> A
     return dist.all_reduce(tensor, group=group, async_op=async_op)
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: Any, *, async_op: bool = False) -> Any:
-    """`tensor` from global rank `src` to every member of `group`, in place (shard.py); async_op: the work."""
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Any) -> list[Any]:
+    """(tensor, global rank) pairs sent and received over `group` as one batch: under NCCL one group call, every
+    direction at once (shard.py); per peer in the order listed. The works to wait on."""
+    ops = [dist.P2POp(op, t, r, group) for op, pairs in ((dist.isend, sends), (dist.irecv, recvs)) for t, r in pairs]
+    return list(dist.batch_isend_irecv(ops)) if ops else []
 
 
 def group_size(group: Any) -> int:

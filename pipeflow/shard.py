@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeflow.comm import broadcast
+from pipeflow.comm import exchange
 from pipeflow.tensorops import LARGE  # elements from which a tensor is broadcast alone, in place
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,8 @@ class ShardedUpdate:
         self.owned = [p for p, q in zip(self.params, self.owner) if q == replica]
         self.group: Any = None
         self.ranks: list[int] = []
-        self.pending: list[tuple[Any, torch.Tensor | None, list[nn.Parameter]]] = []  # (work, flat, to unpack)
+        self.works: list[Any] = []  # the transfers in flight
+        self.pending: list[tuple[torch.Tensor, list[nn.Parameter]]] = []  # bucket buffers, parameters to unpack
 
     @property
     def complete(self) -> bool:
@@ -79,24 +80,34 @@ class ShardedUpdate:
                  self.replicas, mine, total)
 
     def broadcast(self, *, defer: bool = False) -> None:
-        """Each owner's parameters to the other replicas, owners in replica order, so every member issues the same
-        broadcasts in the same order: a tensor of at least LARGE elements in place (no buffer), the rest in
-        buckets of one dtype of at most BUCKET_BYTES. The gradients of the parameters this rank does not own are
-        dropped, as the optimizer's zero_grad drops the others'. `defer` (2bw on a stage that runs ahead, whose
-        next minibatch runs on a stashed copy): return with the broadcasts in flight, overlapping that minibatch;
-        `finish` lands them before a forward reads the live weights (the warm-up forwards of the minibatch after
-        copy them, before the next STEP: stash.StashPolicy's `settle`), at the next STEP, and at a segment's end."""
+        """Each owner's parameters to the other replicas, all owners at once, as one batched exchange (every member
+        lists the same transfers, so each pair's match in order): a tensor of at least LARGE elements in place (no
+        buffer), the rest in buckets of one dtype of at most BUCKET_BYTES, each sent by its owner to every other
+        replica. Before 2026-11-27 (late morning) these were broadcasts, one owner after another on one
+        communicator: on 2 GPUs each direction of the link idle half the time. The gradients of the parameters this
+        rank does not own are dropped, as the optimizer's zero_grad drops the others'. `defer` (2bw on a stage that
+        runs ahead, whose next minibatch runs on a stashed copy): return with the transfers in flight, overlapping
+        that minibatch; `finish` lands them before a forward reads the live weights (the warm-up forwards of the
+        minibatch after copy them, before the next STEP: stash.StashPolicy's `settle`), at the next STEP, and at a
+        segment's end."""
         self.finish()
+        me = self.ranks[self.replica]
+        sends: list[tuple[torch.Tensor, int]] = []
+        recvs: list[tuple[torch.Tensor, int]] = []
         with torch.no_grad():
             for q in range(self.replicas):
                 mine = [p for p, o in zip(self.params, self.owner) if o == q]
-                for p in (p for p in mine if p.numel() >= LARGE and p.is_contiguous()):
-                    self.pending.append((broadcast(p.data, self.ranks[q], self.group, async_op=True), None, []))
+                tensors = [p.data for p in mine if p.numel() >= LARGE and p.is_contiguous()]
                 for bucket in _buckets([p for p in mine if p.numel() < LARGE or not p.is_contiguous()]):
                     flat = (torch.cat([p.reshape(-1) for p in bucket]) if q == self.replica else
                             torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device))
-                    work = broadcast(flat, self.ranks[q], self.group, async_op=True)
-                    self.pending.append((work, flat, bucket if q != self.replica else []))
+                    tensors.append(flat)
+                    self.pending.append((flat, bucket if q != self.replica else []))
+                if q == self.replica:
+                    sends += [(t, r) for r in self.ranks if r != me for t in tensors]
+                else:
+                    recvs += [(t, self.ranks[q]) for t in tensors]
+            self.works = exchange(sends, recvs, self.group)
         for p, q in zip(self.params, self.owner):
             if q != self.replica:
                 p.grad = None
@@ -104,14 +115,15 @@ class ShardedUpdate:
             self.finish()
 
     def finish(self) -> None:
-        """Wait for the broadcasts in flight and unpack the buckets received."""
-        for work, flat, bucket in self.pending:
+        """Wait for the transfers in flight and unpack the buckets received."""
+        for work in self.works:
             work.wait()
-            if bucket and flat is not None:
+        for flat, bucket in self.pending:
+            if bucket:
                 parts = flat.split([p.numel() for p in bucket])
                 with torch.no_grad():
                     torch._foreach_copy_(list[torch.Tensor](bucket), [f.view_as(p) for f, p in zip(parts, bucket)])
-        self.pending = []
+        self.works, self.pending = [], []
 
 
 def _buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:

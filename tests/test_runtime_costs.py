@@ -384,7 +384,7 @@ def test_contention_slows_the_layers_as_far_as_the_ranks_compute_at_once(plan: P
 
 @pytest.mark.parametrize("schedule, shard, step_ms", [
     ("2bw", False, 8.0),  # its deferred update's all-reduce runs under the next minibatch: hidden
-    ("2bw", True, 11.0 + 5.0),  # sharded: beside the last backward (2 ms), 3 ms after it, the broadcasts in the STEP
+    ("2bw", True, 11.0 + 5.0),  # sharded: beside the last backward (2 ms), 3 ms after it, the exchange in the STEP
     ("async", False, None),  # not deferred: beside each backward
 ])
 def test_a_deferred_update_all_reduces_under_the_next_minibatch(schedule: str, shard: bool,
@@ -400,7 +400,7 @@ def test_a_deferred_update_all_reduces_under_the_next_minibatch(schedule: str, s
 
     prof = Profile("m", {}, "cpu", "float32", 1, [LayerProfile(f"l{i}", 1.0, 1.0, 0, 0, 2_500_000) for i in range(2)])
     lay = replace(layer_costs(prof, schedule, "adam"), shard_optimizer=shard)
-    topology = Topology.parse("2x1GB/s")  # all-reduce of 5 MB over 2: 5 MB / 1 GB/s = 5 ms; broadcasts 2 x 2.5 ms
+    topology = Topology.parse("2x1GB/s")  # all-reduce of 5 MB over 2: 5 MB / 1 GB/s = 5 ms; the exchange priced so
     got = price(lay, topology, schedule, 4, [(0, 2)], [[0, 1]], optimizer="adam")[1].step_ms
     bound = evaluate(CostModel(lay, topology, schedule, 4, "adam"), Node(0, [(0, 2, 2, None)]))
     if step_ms is None:  # async steps per backward: the all-reduce after each, 3 ms beyond it

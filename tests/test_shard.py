@@ -158,8 +158,8 @@ def test_the_planner_prices_a_sharded_update_and_its_memory(tmp_path: Path) -> N
     whole = price(lay, topo, "1f1b", 4, [(0, 2)], [[0, 1]], optimizer="adam")[0][0]
     half = price(replace(lay, shard_optimizer=True), topo, "1f1b", 4, [(0, 2)], [[0, 1]], optimizer="adam")[0][0]
     assert whole.optimizer_ms == pytest.approx(1e-8 * 2 * gb)  # 20 ms: the whole update on every replica
-    # 10 ms, then the owners' broadcasts one after the other: 1 GB each, both 2 GB at 1000 GB/s (before: 1 ms, as if
-    # they ran at once; on 2 x H200 they took 2.5 times that, benchmarks/gpu/README.md)
+    # 10 ms, then the owners' exchange priced as an all-reduce of the 2 GB: 2 ms at 1000 GB/s (before: 1 ms, the
+    # bytes it moves; NCCL's point-to-point reached half the all-reduce's bandwidth on 2 x H200, benchmarks/gpu)
     assert half.optimizer_ms == pytest.approx(1e-8 * gb + 2 * gb / 1e9)
     assert half.state_share == 0.5 and whole.state_share == 1.0
     # 2bw: where forwards run ahead of the minibatch's end (stage 0 of two), the broadcast travels under the next
