@@ -67,7 +67,7 @@ class StepGuard:
         dev = e.world.device
         found = nonfinite_flag((p.grad for p in e.parameters() if p.grad is not None), dev, self._ones)
         # The losses of the minibatch whose gradient this is: the latest, or those a late update holds (update.py).
-        held = getattr(getattr(e, "update", None), "checking", None)
+        held = e.update.checking
         losses = held if held is not None else e.losses[-self.losses_per_step:]
         if e.holds_last and losses:
             bad_loss = (~torch.stack(losses).isfinite().all()).float().to(dev)

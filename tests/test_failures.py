@@ -144,7 +144,8 @@ def test_lagged_guard_skips_on_the_device_and_reports_a_step_later():
     w = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.Adam([w], lr=0.1, fused=True)
     stage = SimpleNamespace(parameters=lambda: [w], last=False)
-    engine = SimpleNamespace(S=1, s=0, actions=[], optimizer=opt, stage=stage, losses=[], parameters=stage.parameters,
+    engine = SimpleNamespace(S=1, s=0, actions=[], update=SimpleNamespace(checking=None),  # no late update
+                             optimizer=opt, stage=stage, losses=[], parameters=stage.parameters,
                              holds_last=False, world=SimpleNamespace(device=torch.device("cpu")))
     guard = StepGuard(engine, MPI.COMM_SELF, SignalStop(), skip_nonfinite=False, agree_every_step=True)
     assert guard.lagged is False  # a CPU rank checks synchronously...

@@ -38,7 +38,8 @@ def _guard(*, flush: bool, skip: bool, losses: list[torch.Tensor] | None = None)
     w = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
     opt = torch.optim.Adam([w], lr=0.1, fused=True)
     stage = SimpleNamespace(parameters=lambda: [w], last=losses is not None)
-    engine = SimpleNamespace(S=1, s=0, actions=[], optimizer=opt, stage=stage, losses=[] if losses is None else losses,
+    engine = SimpleNamespace(S=1, s=0, actions=[], update=SimpleNamespace(checking=None),  # no late update
+                             optimizer=opt, stage=stage, losses=[] if losses is None else losses,
                              world=SimpleNamespace(device=torch.device("cpu")), parameters=stage.parameters,
                              holds_last=stage.last)
     guard = StepGuard(engine, MPI.COMM_SELF, SignalStop(), skip_nonfinite=skip, agree_every_step=flush)
@@ -108,7 +109,8 @@ def test_multi_tensor_check_finds_one_bad_value_among_many_and_leaves_gradients_
     ws = [torch.nn.Parameter(torch.randn(n, dtype=dt)) for n, dt in [(5, torch.float64), (7, torch.float32),
                                                                       (3, torch.float64)]]
     stage = SimpleNamespace(parameters=lambda: ws, last=False)
-    engine = SimpleNamespace(S=1, s=0, actions=[], optimizer=torch.optim.SGD(ws, lr=0.1), stage=stage, losses=[],
+    engine = SimpleNamespace(S=1, s=0, actions=[], update=SimpleNamespace(checking=None),  # no late update
+                             optimizer=torch.optim.SGD(ws, lr=0.1), stage=stage, losses=[],
                              world=SimpleNamespace(device=torch.device("cpu")), parameters=stage.parameters,
                              holds_last=False)
     guard = StepGuard(engine, MPI.COMM_SELF, SignalStop(), skip_nonfinite=True, agree_every_step=False)
