@@ -52,7 +52,7 @@ class Update:
         self.checking: list[torch.Tensor] | None = None  # late: the losses the gate checks with the gradient
         if deferred:
             log.info("each update applied one STEP late on the live weights: no weight copies%s",
-                     "; the replicas' all-reduce under the next minibatch" if self.late and reducers else "")
+                     "; the replicas' all-reduce under the next minibatch" if self.late else "")
 
     def reduce(self) -> None:
         """A STEP's first part: the replicas' all-reduce (chunk order, then ties) completed, or launched where late;
