@@ -49,6 +49,7 @@ class _Level:
         self.n = n
         # _MINMAX_WIDTH spare columns: _minmax reads whole blocks of columns past j = L.
         best = np.full((n + 1, L + 1, L + 1 + _MINMAX_WIDTH), INF)
+        windows = sliding_window_view(best.reshape(-1), _MINMAX_WIDTH)  # a view: _minmax's rows of a block, made once
         rs = np.arange(1, n + 1, dtype=np.float64)[:, None]
         # The rest [k, j) on w'' units costs at least its work spread evenly over their workers:
         # m (C[j] - C[k]) / (w'' * unit workers) (a stage's busy time is unit * ceil(m / r) / m >= unit / r,
@@ -67,7 +68,7 @@ class _Level:
                     left = np.maximum(stage[: w - 1, :-1], bounds[: w - 1])
                     # Per w', a lower bound of the first stage's cost that never decreases with k (suffix min).
                     base = np.minimum.accumulate(stage[: w - 1, :-1][:, ::-1], axis=1)[:, ::-1]
-                    _minmax(best, w, i, left, base, self.work, rs[w - 2::-1, 0] * per_unit)
+                    _minmax(best, windows, w, i, left, base, self.work, rs[w - 2::-1, 0] * per_unit)
             if progress is not None:
                 progress.tick(level, L - i, L)
         self.best = best[:, :, :L + 1]
@@ -89,8 +90,8 @@ class _Level:
         raise AssertionError(f"DP trace failed at level {self.level}, [{i}, {j}) on {w}")
 
 
-def _minmax(best: np.ndarray, w: int, i: int, left: np.ndarray, base: np.ndarray, work: np.ndarray,
-            workers: np.ndarray, width: int = _MINMAX_WIDTH) -> None:
+def _minmax(best: np.ndarray, windows: np.ndarray, w: int, i: int, left: np.ndarray, base: np.ndarray,
+            work: np.ndarray, workers: np.ndarray) -> None:
     """best[w, i, j] = min(itself, min over (w', k) of max(left[w', k], best[w - w', k, j])) for j > i + 1.
 
     Row t of left is the split k = i + 1 + t; w' = a + 1 for row a. Columns j are taken in blocks of
@@ -102,7 +103,7 @@ def _minmax(best: np.ndarray, w: int, i: int, left: np.ndarray, base: np.ndarray
     gathered in one go: O(L^2 n^2 width) per level in practice instead of O(L^3 n^2). A block with a
     column still infinite (its one-stage plan over memory) cuts nothing: it is first seeded with the splits
     next to the balanced one, where the two bounds meet."""
-    L1 = best.shape[1]  # L + 1 rows
+    L1, width = best.shape[1], windows.shape[1]  # L + 1 rows; `windows`: best's every run of `width` values
     n_a, n_k = left.shape
     n_j = n_k  # columns j = i + 2 .. L, rows k = i + 1 .. L - 1
     nb = -(-n_j // width)
@@ -121,7 +122,7 @@ def _minmax(best: np.ndarray, w: int, i: int, left: np.ndarray, base: np.ndarray
         hi = np.minimum(np.searchsorted(rows, (workers[:, None] * work[i] + (total - workers[:, None])
                                                * last_j[None, :]) / total) + 1, ends[None, :])
         hi = np.where(np.isinf(seg.max(axis=1))[None, :], hi, 0)
-        _gather_min(best, w, i, left, lo, hi, width, seg)
+        _gather_min(best, windows, w, i, left, lo, hi, seg)
     ub = seg.max(axis=1)
     wk = np.full(nb * width, work[-1])
     wk[:n_j] = work[i + 2:]
@@ -131,30 +132,30 @@ def _minmax(best: np.ndarray, w: int, i: int, left: np.ndarray, base: np.ndarray
     hi = np.empty((n_a, nb), dtype=np.int64)
     for a in range(n_a):
         hi[a] = np.searchsorted(base[a], ub, side="left")
-    _gather_min(best, w, i, left, lo, np.minimum(hi, ends[None, :]), width, seg)
+    _gather_min(best, windows, w, i, left, lo, np.minimum(hi, ends[None, :]), seg)
     best[w, i, i + 2:L1] = out[:n_j]
 
 
-def _gather_min(best: np.ndarray, w: int, i: int, left: np.ndarray, lo: np.ndarray, hi: np.ndarray, width: int,
-                seg: np.ndarray) -> None:
+def _gather_min(best: np.ndarray, windows: np.ndarray, w: int, i: int, left: np.ndarray, lo: np.ndarray,
+                hi: np.ndarray, seg: np.ndarray) -> None:
     """seg[b] = min(seg[b], max(left[a, t], best[w - 1 - a, i + 1 + t, block b's columns])) over a and the
     rows lo[a, b] <= t < hi[a, b], in place (_minmax's bands, gathered with one fancy index)."""
-    L1, row = best.shape[1], best.shape[2]  # L + 1 rows, L + 1 + width columns
+    (L1, row), width = best.shape[1:], windows.shape[1]  # L + 1 rows, L + 1 + width columns
     n_a, nb = lo.shape
     cnt = np.maximum(hi - lo, 0).T.ravel()  # segments ordered by block, then w'
     total = int(cnt.sum())
     if total == 0:
         return
-    start = np.cumsum(cnt) - cnt
-    a_of = np.tile(np.arange(n_a), nb)
-    b_of = np.repeat(np.arange(nb), n_a)
-    lo_t = lo.T.ravel()
+    # Per segment (block b, w' = a + 1): where its first row starts in `best` and in `left`, less its offset in
+    # the gathered list, so that each gathered row's index is that plus its position (few numpy calls a segment).
+    shift = lo.T.ravel() - (np.cumsum(cnt) - cnt)
+    a_of = np.arange(n_a * nb) % n_a
+    in_best = ((w - 1 - a_of) * L1 + i + 1 + shift) * row + (i + 2) + np.repeat(np.arange(nb), n_a) * width
+    in_left = a_of * left.shape[1] + shift
     sel = np.repeat(np.arange(len(cnt)), cnt)
-    t_idx = np.arange(total) - start[sel] + lo_t[sel]
-    a_idx = a_of[sel]
-    row0 = ((w - 1 - a_idx) * L1 + (i + 1 + t_idx)) * row + (i + 2) + b_of[sel] * width
-    vals = sliding_window_view(best.reshape(-1), width)[row0]  # rows of `width` columns, copied
-    np.maximum(vals, left[a_idx, t_idx][:, None], out=vals)
+    pos = np.arange(total)
+    vals = windows[in_best[sel] + pos * row]  # rows of `width` columns, copied
+    np.maximum(vals, left.reshape(-1)[in_left[sel] + pos][:, None], out=vals)
     per_block = cnt.reshape(nb, n_a).sum(axis=1)
     some = np.nonzero(per_block)[0]
     firsts = (np.cumsum(per_block) - per_block)[some]
