@@ -96,6 +96,31 @@ def test_parameter_without_gradient_is_left_alone_by_replicas(mpi: MpiRun, optim
     assert not torch.equal(got["1.fc.weight"], initial["1.fc.weight"])
 
 
+def unused_2bw(d: Path, late: str) -> Case:
+    case = train(d, "tests.models_grads:unused", SMALL, [(1, 1), (2, 2)], schedule="2bw", m=4, steps=3,
+                 extra=["--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.01"])  # the reference's AdamW
+    case.env.update({"PIPEFLOW_REDUCE_LATE": late, "PIPEFLOW_LOG": "INFO"})
+    return case
+
+
+@pytest.mark.parametrize("late", ["1", "0"])
+@batched(unused_2bw)
+def test_2bw_replicas_leave_a_parameter_without_gradient_alone(mpi: MpiRun, late: str) -> None:
+    """The same under 2bw, whose replicated last stage defers its update: its all-reduce launched at one STEP and
+    completed at the next (update.py's late reduction) or beside the last backward; `1.spare` keeps no gradient
+    through the launch and the completion, so AdamW's weight decay leaves it alone (a zero gradient would not)."""
+    got = saved(mpi)
+    want = reference_delayed("tests.models_grads:unused", SMALL, schedule="2bw", stages=[(1, 1), (2, 2)], steps=3,
+                             microbatches=4, microbatch_size=B, optimizer="adamw", lr=0.01)  # weight decay 0.01
+    initial = reference("tests.models_grads:unused", SMALL, steps=0, microbatches=4, optimizer="adamw", lr=0.01)
+    spare = ("1.spare.weight", "1.spare.bias")  # the delayed reference gives a missing gradient zeros: it decays
+    assert_same({k: v for k, v in got.items() if k not in spare}, {k: v for k, v in want.items() if k not in spare})
+    for k in spare:
+        assert torch.equal(got[k], initial[k]), k
+        assert not torch.equal(want[k], initial[k]), k  # what a zero gradient does under AdamW's weight decay
+    assert ("the replicas' all-reduce under the next minibatch" in mpi.proc.stderr) is (late == "1")
+
+
 def sometimes_used(d: Path, inplace: bool) -> Case:
     case = train(d, "tests.models_grads:sometimes", SMALL, [(1, 1), (2, 2)], schedule="1f1b", m=4, steps=6,
                  extra=["--optimizer", "adam", "--lr", "0.01"])
