@@ -38,17 +38,15 @@ def level_factors(ranks: Sequence[int], topology: Topology) -> list[int]:
 
 
 def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int, int]],
-                ranks: Sequence[Sequence[int]], *, scale: float = 1.0,
-                broadcast: bool | Sequence[bool] = True, kind: ScheduleKind | None = None) -> list[StageCost]:
+                ranks: Sequence[Sequence[int]], kind: ScheduleKind, *, scale: float = 1.0) -> list[StageCost]:
     """Per stage: compute (the loss on the last; the runtime's own time per action and message sent,
     LayerCosts.stage_overhead_ms), its output, a ring all-reduce 2 (r-1)/r P / B for each level its
     replicas span, the optimizer step. send_ms is for the table: one message at the bandwidth
     between the first replicas of this stage and the next (the simulator prices every pair itself). `scale`
     multiplies the layers' and the loss's times (contention_scale). With lay.shard_optimizer an update is a 1/r
-    share of the step, then (`broadcast`, one or per stage: where it does not overlap the next minibatch) the
-    others' weights. `kind`: the schedule's, for where the all-reduce waits a STEP (2bw's deferred update)."""
+    share of the step, then the others' weights where they do not travel under the next minibatch (the schedule
+    `kind`'s broadcast_overlaps), and the all-reduce waits a STEP where kind.reduce_waits_a_step says so."""
     L, out = len(lay), []
-    sends = [broadcast] * len(ranges) if isinstance(broadcast, bool) else list(broadcast)
     for t, ((a, b), rs) in enumerate(zip(ranges, ranks)):
         p = float(lay.parameter_bytes[a:b].sum())
         extra_f, extra_b = lay.stage_overhead_ms(a, b)  # the runtime's own time (costmodel, as in the DP)
@@ -62,11 +60,11 @@ def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int,
         weight = 0.0 if lay.backward_weight_ms is None else scale * float(lay.backward_weight_ms[a:b].sum())
         share = 1.0 / len(rs) if lay.shard_optimizer else 1.0  # --shard-optimizer: a 1/r share of the update,
         update = lay.optimizer_ms_per_byte * p * share + (  # then the owners' exchange, priced as the all-reduce
-            ar if lay.shard_optimizer and sends[t] else 0.0)  # (costmodel.update_ms says why)
+            ar if lay.shard_optimizer and not kind.broadcast_overlaps(b == L) else 0.0)  # (costmodel.update_ms: why)
         out.append(StageCost(fwd, scale * float(lay.backward_ms[a:b].sum()) + float(extra_b), send, ar, p,
                              float(lay.activation_bytes[a:b].sum()), update, nbytes, weight,
                              lay.latency_ms, lay.message_ms, lay.loss_bytes if b == L else 0.0, share,
-                             bool(kind is not None and kind.reduce_waits_a_step(b == L, lay.shard_optimizer))))
+                             bool(kind.reduce_waits_a_step(b == L, lay.shard_optimizer))))
     return out
 
 
@@ -90,8 +88,7 @@ def price(lay: LayerCosts, topology: Topology, schedule: str, microbatches: int,
     kind, reps = schedule_kind(schedule), [len(r) for r in ranks[:groups]]  # a rank group's replicas
 
     def run(scale: float) -> tuple[list[StageCost], SimResult]:
-        costs = stage_costs(lay, topology, ranges, ranks, scale=scale, kind=kind,
-                            broadcast=[not kind.broadcast_overlaps(t == len(ranges) - 1) for t in range(len(ranges))])
+        costs = stage_costs(lay, topology, ranges, ranks, kind, scale=scale)
         for s, cost in enumerate(costs[:groups]):  # the runtime's own time per update (a rank's chunks together)
             # and the weight copies an update makes the asynchronous schedules keep (ScheduleKind.copies_per_update)
             cost.optimizer_ms += lay.update_ms + lay.copy_ms_per_byte * cost.parameter_bytes * kind.copies_per_update(

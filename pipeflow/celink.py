@@ -254,29 +254,17 @@ class PairSum:
 
 class Summed:
     """A PairSum in flight, like a torch.distributed work: wait() makes the current stream wait for the sum in
-    place (the host never waits). The add is queued once the pull is: at once, or at wait() where the peer's ring
-    was not known yet (the first messages)."""
+    place (the host never waits). The add is queued at once, after the pull (posted at its receive) on its stream."""
 
     def __init__(self, t: torch.Tensor, buf: torch.Tensor, sent: Work, got: Work, stream: Any) -> None:
-        self.t, self.sent, self.got, self.stream = t, sent, got, stream
-        self.buf: torch.Tensor | None = buf
-        self.event: Any = None
-        if got.event is not None:
-            self._add()
-
-    def _add(self) -> None:
-        if self.got.post is not None:
-            self.got.post()
-        assert self.sent.event is not None and self.buf is not None
-        self.stream.wait_event(self.sent.event)  # this tensor is copied out before it is added to
-        add_on(self.stream, self.t, self.buf)  # after the pull, on its stream
-        self.buf = None
+        self.t, self.sent, self.got = t, sent, got
+        assert sent.event is not None and got.event is not None
+        stream.wait_event(sent.event)  # this tensor is copied out before it is added to
+        add_on(stream, t, buf)  # after the pull, on its stream
         self.event = cuda.Event()
-        self.event.record(self.stream)
+        self.event.record(stream)
 
     def wait(self) -> None:
-        if self.event is None:
-            self._add()
         cuda.current_stream().wait_event(self.event)
 
 

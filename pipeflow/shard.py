@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from pipeflow.comm import exchange
-from pipeflow.tensorops import LARGE  # elements from which a tensor is broadcast alone, in place
+from pipeflow.tensorops import LARGE  # elements from which a tensor is sent alone, in place
 
 log = logging.getLogger(__name__)
 
-BUCKET_BYTES = 64 << 20  # bytes per broadcast of small tensors: bounds the flat buffer each one needs
+BUCKET_BYTES = 64 << 20  # bytes per bucket of small tensors sent: bounds the flat buffer each one needs
 
 
 def owners(sizes: Sequence[int], replicas: int) -> list[int]:

@@ -41,7 +41,7 @@ class Update:
                  shard: ShardedUpdate | None, reducers: list[GradReducer], *, deferred: bool, late: bool,
                  broadcast_overlaps: bool) -> None:
         self.optimizer, self.params, self.shard, self.reducers = optimizer, params, shard, reducers
-        self.deferred, self.late = deferred, late and deferred and shard is None and bool(reducers)
+        self.deferred, self.late = deferred, late and bool(reducers)  # late (the engine's rule): with replicas only
         # The owners' new weights travel under the next minibatch only where it runs on a stashed version.
         self.overlap = broadcast_overlaps and not deferred
         updated = {id(p) for g in optimizer.param_groups for p in g["params"]}
