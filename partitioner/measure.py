@@ -22,8 +22,12 @@ RANK_THREADS = 1
 # Repeats disagreeing by more than this (slowest pass over the layers / median pass) mean a noisy machine.
 NOISY_SPREAD = 1.2
 # The optimizer step is timed on at most this many parameter bytes (a prefix of the model's parameters):
-# its cost per byte is what the planner uses, and a copy of a large model's state may not fit twice.
-OPTIMIZER_SAMPLE_BYTES = 256 * 2**20
+# its cost per byte is what the planner uses, and a copy of a large model's state may not fit twice. Each timing
+# runs UPDATES back to back, so that what one call costs from an idle device (its first launch, the final sync)
+# is not charged per byte: on 2 x H200 (GPT stage 0, 1.44 GB of bf16 weights, benchmarks/gpu/README.md) one
+# update of a 256 MiB sample timed alone priced the stage's update at 7.4 ms where it took 4.5 ms.
+OPTIMIZER_SAMPLE_BYTES = 1 << 30
+UPDATES = 4
 
 
 def _not_sequence(x: Any) -> bool:
@@ -202,10 +206,18 @@ def optimizer_ms_per_byte(name: str, parameters: Iterable[torch.Tensor], timer: 
         nonfinite_flag(grads, device, ones)
         opt.step()
 
+    def copies() -> None:
+        for _ in range(UPDATES):
+            copy_weights(stashed, params)
+
+    def updates() -> None:
+        for _ in range(UPDATES):
+            update()
+
     stashed = [torch.empty_like(q) for q in params]
-    copies = [timer(lambda: copy_weights(stashed, params)) for _ in range(warmup + repeats)][warmup:]
-    times = [timer(update) for _ in range(warmup + repeats)][warmup:]
-    return statistics.median(times) / nbytes, statistics.median(copies) / nbytes
+    copied = [timer(copies) for _ in range(warmup + repeats)][warmup:]
+    times = [timer(updates) for _ in range(warmup + repeats)][warmup:]
+    return statistics.median(times) / UPDATES / nbytes, statistics.median(copied) / UPDATES / nbytes
 
 
 def spread(per_repeat_ms: Sequence[float]) -> float:
