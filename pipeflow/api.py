@@ -12,6 +12,7 @@ wrapper over it (runner.py). Run the script under MPI, every rank the same code 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -86,7 +87,7 @@ class Pipeline:
                  segment_steps: int | None = None, shard_optimizer: bool = False) -> None:
         from pipeflow.comm import init_world
         from pipeflow.engine import Engine
-        from pipeflow.planning import check_ties
+        from pipeflow.planning import check_ties, replicated_statistics
 
         if microbatches is not None and microbatches < 1:
             raise ValueError(f"Pipeline: microbatches must be >= 1, found {microbatches}")
@@ -94,6 +95,9 @@ class Pipeline:
         self.world = world if world is not None else init_world(device=device, timeout_s=timeout)
         self.plan = _resolve_plan(plan, len(spec.layers), self.world.size, schedule, microbatches)
         check_ties(spec, self.plan)
+        note = replicated_statistics(spec, self.plan)
+        if note and self.world.rank == 0:
+            logging.getLogger("pipeflow").warning(note)
         self.m = self.plan.microbatches
         self.feed = BatchFeed(self.m) if data is None else None
         loader = data if data is not None else self.feed

@@ -206,3 +206,22 @@ def check_ties(spec: ModelSpec, plan: Plan) -> None:
         ties = find_ties(spec.layers, [st.layers for st in plan.stages], [st.ranks for st in plan.stages])
         if ties:
             raise UsageError(tied_async_error(ties, plan.schedule))
+
+
+def replicated_statistics(spec: ModelSpec, plan: Plan) -> str | None:
+    """The warning for running statistics (BatchNorm's mean and variance) in a replicated stage: each replica
+    updates its own from its share of the microbatches, as DDP without SyncBatchNorm, and --save, checkpoints and
+    Pipeline.state_dict keep replica 0's; None where no replicated stage holds any."""
+    for k, st in enumerate(plan.stages):
+        if st.replicas < 2:
+            continue
+        names = [f"{i}.{n}" if n else str(i) for i in range(*st.layers) for n, m in spec.layers[i].named_modules()
+                 if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats]
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            return (f"stage {k} (layers [{st.layers[0]}, {st.layers[1]})) runs on {st.replicas} replicas and keeps "
+                    f"running statistics ({shown}): each replica updates its own from its share of the "
+                    f"microbatches, as DDP without SyncBatchNorm, and the saved model and checkpoints keep replica "
+                    f"0's; the parameters train as in one process, those buffers do not (plan the stage unreplicated "
+                    f"to keep them too)")
+    return None
