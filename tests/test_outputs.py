@@ -232,12 +232,14 @@ def test_consecutive_runs_in_one_process_on_one_checkpoint_dir(mpi: MpiRun):
     assert (mpi.dir / "ck" / "step-000004" / "COMPLETE").is_file()
 
 
-MOUNTED: list[Path] = []  # the batched runs' tmpfs mounts, unmounted after this module's tests
+MOUNTED: list[Path] = []  # the batched runs' tmpfs mounts, unmounted at the session's end
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def _unmount_batched_tmpfs():
-    """However its tests end (an error in the batch, a deselected test), no mount outlives the module."""
+    """However its tests end (an error in the batch, a deselected test), no mount outlives the session. Not at
+    the module's end: this module's in-process tests run before the batched ones (tests/conftest.py), and a
+    module fixture ended with them, unmounting the tmpfs before the batch had written to it."""
     yield
     while MOUNTED:
         subprocess.run(["umount", "-l", str(MOUNTED.pop())], check=False, capture_output=True)
