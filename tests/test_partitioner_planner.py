@@ -273,16 +273,20 @@ def test_search_cut_short_still_answers_with_the_dp_optimum() -> None:
 
 
 def naive_level(model: CostModel, level: int, inner: np.ndarray | None) -> np.ndarray:
-    """best[w, i, j] of one inner level by the recurrence itself, every (w', k) tried."""
+    """best[w, i, j] of one inner level by the recurrence itself, every (w', k) tried. The costs of the stages
+    [i, k) on w units (alone, or followed by another) do not depend on j: they are priced once per (i, w), for
+    every k, and each j reads its own."""
     n, L = model.topology.levels[level].workers, model.num_layers
     best = np.full((n + 1, L + 1, L + 1), INF)
     for i in range(L - 1, -1, -1):
         for w in range(1, n + 1):
+            ends = np.arange(i + 1, L + 1)
+            alone = model.stage_row(level, i, ends, w, inner)[w - 1]  # [j - i - 1]: stage [i, j) on w units
+            splits = model.split_row(level, i, ends[:-1], w, inner)  # [:, k - i - 1]: stage [i, k), then more
             for j in range(i + 1, L + 1):
-                cand = float(model.stage_row(level, i, np.array([j]), w, inner)[w - 1, 0])
+                cand = float(alone[j - i - 1])
                 if j > i + 1:
-                    ks = np.arange(i + 1, j)
-                    left = model.split_row(level, i, ks, w, inner)
+                    left = splits[:, :j - i - 1]  # k = i + 1 .. j - 1
                     for w1 in range(1, w):
                         cand = min(cand, float(np.maximum(left[w1 - 1], best[w - w1, i + 1:j, j]).min()))
                 best[w, i, j] = cand
