@@ -46,6 +46,18 @@ the test takes `mpi` and reads its files from `mpi.dir` and the output from `mpi
   copy and damage what an earlier case of the list wrote.
 - Every launch has a timeout: `Case.timeout` per case (the batch driver dumps the stacks and ends the
   job when a case runs past it), their sum plus start-up for the batch's mpirun.
+
+Launches of their own in the background
+---------------------------------------
+A test whose body only starts processes (an mpirun it signals, a console script) and asserts on what they
+did spends its time waiting on them, one core idle. `@in_background` (the marker `background`) runs its
+body in a second background thread from the session's start, one such test after the other in collection
+order, while the in-process tests and the batches run; the test itself comes after the in-process tests
+and reports the body's outcome (its assertion and traceback as they were). Its checks, timeouts and timings
+are the body's own, unchanged. The body may take only `tmp_path` (a directory made for it) and its
+parameters; its processes get `base_env()` (os.environ as at the session's start: a foreground test's
+monkeypatch.setenv must not reach them) and must not print into pytest's output. A test that is skipped
+ignores its background run. `PIPEFLOW_TEST_NO_BATCH=1` runs them in the foreground too.
 """
 from __future__ import annotations
 
@@ -73,14 +85,40 @@ BATCHES = pytest.StashKey["Batches"]()
 BATCH_STARTUP_S = 120.0  # what a batch's mpirun may take beyond its cases' timeouts (start-up, loaded machine)
 
 
+_ENV_AT_START = dict(os.environ)  # before any test (conftest is imported first)
+_IN_BACKGROUND = threading.local()
+
+
+def base_env() -> dict[str, str]:
+    """os.environ for a test's processes: as it is now, or in a test run in the background (`in_background`),
+    as it was at the session's start, not as a foreground test's monkeypatch leaves it meanwhile."""
+    return dict(_ENV_AT_START if getattr(_IN_BACKGROUND, "on", False) else os.environ)
+
+
 def mpi_env() -> dict[str, str]:
-    env = dict(os.environ)
+    env = base_env()
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PIPEFLOW_LOG="WARNING")
     # MPICH waits for a message by polling, and the ranks (THREAD_MULTIPLE: the heartbeat thread) call
     # sched_yield between polls: with more ranks than the 2 cores of a small machine that spinning took half
     # the CPU (perf: sys time). Heavy yield sleeps (nanosleep) instead, so the rank with work gets the core.
     env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
     return env
+
+
+BACKGROUND_NICE = 5  # the background threads' processes run at this niceness (`_behind_the_foreground`)
+
+
+def _behind_the_foreground() -> None:
+    """Lower the calling background thread's priority, and so that of every process it starts (Linux keeps a
+    niceness per thread; a child inherits its thread's). The main thread's in-process tests are one core's
+    work: the background's processes fill the other core and the foreground's gaps, instead of taking turns
+    with it on both and leaving the in-process tests to run last on one core while the other idles. It
+    changes no outcome: the runs are the same, they get the CPU a little later."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        except OSError:
+            pass
 
 
 def _mpirun() -> str:
@@ -173,8 +211,15 @@ def batched(build: Builder) -> pytest.MarkDecorator:
     return pytest.mark.mpi.with_args(build)
 
 
+def in_background(test: Callable[..., None]) -> Callable[..., None]:
+    """`@in_background`: the test's body runs in the background thread (module docstring)."""
+    return pytest.mark.background(test)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "mpi(build): a distributed test whose run is batched (tests/conftest.py)")
+    config.addinivalue_line("markers", "background: a test of launches of its own whose body runs in a background "
+                                       "thread (tests/conftest.py)")
 
 
 def _builder(item: pytest.Item) -> Builder | None:
@@ -203,9 +248,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     starts them in the background before the first test). pytest-timeout covers fixtures too: the first
     test of a batch waits for the whole batch."""
     for item in items:
-        if _builder(item) is not None and item.get_closest_marker("timeout") is None:
+        if (_builder(item) is not None or _background(item)) and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(1800))
-    items[:] = [i for i in items if _builder(i) is None] + [i for i in items if _builder(i) is not None]
+    items[:] = ([i for i in items if _builder(i) is None and not _background(i)]
+                + [i for i in items if _background(i)] + [i for i in items if _builder(i) is not None])
+
+
+def _background(item: pytest.Item) -> bool:
+    return item.get_closest_marker("background") is not None
 
 
 class Batches:
@@ -258,6 +308,7 @@ class Batches:
             self.thread.join()
 
     def _run_all(self) -> None:
+        _behind_the_foreground()
         try:
             for n in self.order:
                 if self.stopping:
@@ -399,6 +450,91 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         return
     runs = ", ".join(f"-np {n}: {k} case{'s' * (k != 1)} in {t:.0f} s" for n, k, t in batches.launches)
     terminalreporter.write_line(f"batched distributed cases: {len(batches.launches)} mpirun launches ({runs})")
+
+
+# ------------------------------------------------------------------------------ background launches
+
+
+BACKGROUND = pytest.StashKey["Background"]()
+BACKGROUND_WAIT_S = 1500.0  # what a test may wait for its body's run (those before it, then its own)
+
+
+class Background:
+    """The selected `in_background` tests' bodies, run one after the other in a thread (module docstring)."""
+
+    def __init__(self, items: list[pytest.Item], root: Path) -> None:
+        self.items = [i for i in items if _background(i) and isinstance(i, pytest.Function)]
+        self.kwargs: dict[str, dict[str, Any]] = {}
+        for n, item in enumerate(self.items):
+            assert isinstance(item, pytest.Function)
+            given = item.callspec.params if hasattr(item, "callspec") else {}
+            kwargs: dict[str, Any] = {}
+            for name in item._fixtureinfo.argnames:
+                if name == "tmp_path":
+                    kwargs[name] = root / f"{n}-{re.sub(r'[^A-Za-z0-9_.=-]+', '_', item.name)[-60:]}"
+                    kwargs[name].mkdir(parents=True)
+                elif name in given:
+                    kwargs[name] = given[name]
+                else:
+                    raise pytest.UsageError(f"{item.nodeid}: a test run in the background may take only tmp_path "
+                                            f"and its parameters, not the fixture {name!r}")
+            self.kwargs[item.nodeid] = kwargs
+        self.done = {i.nodeid: threading.Event() for i in self.items}
+        self.errors: dict[str, BaseException | None] = {}
+        self.thread: threading.Thread | None = None
+        self.stopping = False
+
+    def start(self) -> None:
+        if self.items and os.environ.get("PIPEFLOW_TEST_NO_BATCH") != "1":
+            self.thread = threading.Thread(target=self._run_all, name="background-tests", daemon=True)
+            self.thread.start()
+
+    def _run_all(self) -> None:
+        _IN_BACKGROUND.on = True
+        _behind_the_foreground()
+        for item in self.items:
+            if self.stopping:
+                break
+            try:
+                item.obj(**self.kwargs[item.nodeid])  # type: ignore[attr-defined]
+                self.errors[item.nodeid] = None
+            except BaseException as e:  # the test raises it in its turn
+                self.errors[item.nodeid] = e
+            finally:
+                self.done[item.nodeid].set()
+
+    def outcome(self, item: pytest.Item) -> bool:
+        """Raise what the item's body raised in the background; False if it was not run there."""
+        if self.thread is None or item.nodeid not in self.done:
+            return False
+        if not self.done[item.nodeid].wait(BACKGROUND_WAIT_S):
+            raise AssertionError(f"the background run of {item.nodeid} did not end within {BACKGROUND_WAIT_S:.0f} s")
+        if item.nodeid not in self.errors:
+            raise AssertionError(f"the background run of {item.nodeid} did not start (the session is stopping)")
+        error = self.errors[item.nodeid]
+        if error is not None:
+            raise error
+        return True
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _background_tests(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                      ) -> Iterator[Background]:
+    """Started before the first test, with the batches (`Background.start`)."""
+    background = Background(request.session.items, tmp_path_factory.mktemp("background"))
+    request.config.stash[BACKGROUND] = background
+    background.start()
+    yield background
+    background.stopping = True
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """An `in_background` test: its body already ran (or runs) in the background; report its outcome."""
+    background = pyfuncitem.config.stash.get(BACKGROUND, None)
+    if background is not None and background.outcome(pyfuncitem):
+        return True
+    return None
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from pipeflow import config, split
 from pipeflow.api import Pipeline
 from pipeflow.split import WeightGradStore, install
 from tests import api_user_loop
-from tests.conftest import Case, MpiRun, batched
+from tests.conftest import Case, MpiRun, base_env, batched, in_background
 from tests.reference import reference_flush
 from tests.test_split import Mixed, _grads, _loss
 
@@ -142,10 +141,11 @@ def test_the_accumulation_knob_is_checked_with_one_line() -> None:
         config.check_environment({"PIPEFLOW_GRAD_ACCUM": "fused"})
 
 
+@in_background
 def test_pipeflow_profile_refuses_an_unknown_accumulation_before_any_work(tmp_path) -> None:
     cmd = [sys.executable, "-m", "partitioner.profiler", "--model", "mlp", "--microbatch-size", "2", "-o",
            str(tmp_path / "p.json")]
-    proc = subprocess.run(cmd, env={**os.environ, "PIPEFLOW_GRAD_ACCUM": "fast"}, capture_output=True, text=True,
+    proc = subprocess.run(cmd, env={**base_env(), "PIPEFLOW_GRAD_ACCUM": "fast"}, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].endswith(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import Case, MpiRun, batched, write_plan
+from tests.conftest import Case, MpiRun, batched, in_background, write_plan
 from tests.reference import reference_delayed
 from tests.test_failures import LONG, finish, start
 
@@ -91,6 +91,7 @@ def test_resume_equals_uninterrupted_run(mpi: MpiRun, schedule):
     assert (ck / "step-000006" / "COMPLETE").is_file()
 
 
+@in_background
 def test_sigterm_stops_async_at_a_segment_boundary(tmp_path):
     ck = tmp_path / "ck"
     args = [*LONG, "--schedule", "async", "--timeout", "30", "--checkpoint-dir", str(ck), "--checkpoint-every", "1"]

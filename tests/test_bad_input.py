@@ -22,7 +22,7 @@ from pipeflow.models import mlp
 from pipeflow.schedule import SCHEDULES
 from pipeflow.spec import ModelError, ModelSpec, build_model, resolve_builder
 from pipeflow.train import build_parser, check_args, main
-from tests.conftest import MPIRUN, Case, MpiRun, batched, mpi_env, run_mpi, write_plan
+from tests.conftest import MPIRUN, Case, MpiRun, batched, in_background, mpi_env, run_mpi, write_plan
 from tests.reference import reference_flush
 
 MLP = {"layers": 4, "hidden": 8, "d_in": 4, "samples": 64}
@@ -181,6 +181,7 @@ def test_bad_setups_end_to_end_print_one_whole_line(mpi: MpiRun):
     assert max(mpi.seconds) < 120
 
 
+@in_background
 def test_set_up_error_under_mpirun_is_one_whole_line(tmp_path):
     """A launch of its own: 4 ranks under mpirun with PYTHONUNBUFFERED=1, as pipeflow-launch sets it; the
     error line reaches mpirun's stderr once and whole, not glued to another rank's output."""
@@ -210,6 +211,7 @@ def test_more_samples_per_step_than_the_dataset_starts_at_once_and_trains_right(
     assert mpi.seconds[0] < 90
 
 
+@in_background
 def test_ctrl_c_of_mpirun_during_async_without_checkpoint_dir_stops_cleanly(tmp_path):
     """Today: 7 tracebacks, a segfault and exit 11. Now: exit 130 and one line, as with --checkpoint-dir."""
     args = [*BASE, "--schedule", "async", "--microbatches", "2", "--steps", "5000", "--log-every", "1",

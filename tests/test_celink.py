@@ -16,6 +16,7 @@ import torch
 
 from pipeflow import celink, cesetup, config, cudadrv
 from pipeflow.failure import UsageError
+from tests.conftest import base_env, in_background
 
 
 class Op:
@@ -231,13 +232,13 @@ def test_copy_engines_asked_for_on_cpu_is_refused_with_one_line() -> None:
     config.check_transport("cpu", {"PIPEFLOW_P2P": "auto"})  # auto falls back to NCCL / gloo
 
 
+@in_background
 def test_pipeflow_train_refuses_copy_engines_on_cpu_before_any_work() -> None:
-    import os
     import subprocess
     import sys
 
     proc = subprocess.run([sys.executable, "-m", "pipeflow.train", "--model", "mlp", "--steps", "1", "--device", "cpu"],
-                          env={**os.environ, "PIPEFLOW_P2P": "ce"}, capture_output=True, text=True, timeout=120)
+                          env={**base_env(), "PIPEFLOW_P2P": "ce"}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "pipeflow-train: error: PIPEFLOW_P2P=ce moves tensors on the GPUs' copy engines, but the ranks run on the "

@@ -11,12 +11,13 @@ import time
 from pathlib import Path
 
 from launch.cli import RankWatch
-from tests.conftest import MPIRUN, mpi_env, write_plan
+from tests.conftest import MPIRUN, in_background, mpi_env, write_plan
 
 MLP = {"layers": 6, "hidden": 16, "d_in": 8, "samples": 256}
 TIMEOUT = 5  # pipeflow-train --timeout
 
 
+@in_background
 def test_sigkill_of_a_rank_under_pipeflow_launch_names_it(tmp_path: Path) -> None:
     plan = tmp_path / "plan.json"
     write_plan(plan, "1f1b", 4, [(2, 1), (2, 1), (2, 1)])

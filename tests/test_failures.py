@@ -17,7 +17,7 @@ from torch.utils.data import TensorDataset
 
 from pipeflow.models import mlp
 from pipeflow.spec import ModelSpec
-from tests.conftest import MPIRUN, Case, MpiRun, batched, mpi_env
+from tests.conftest import MPIRUN, Case, MpiRun, batched, in_background, mpi_env
 
 MLP = {"layers": 6, "hidden": 16, "d_in": 8, "samples": 256}
 LONG = ["--model", "mlp", "--model-args", json.dumps(MLP), "--layers-per-stage", "even", "--microbatches", "4",
@@ -71,6 +71,7 @@ def training_args(tmp_path: Path) -> list[str]:
     return [*LONG, "--timeout", str(TIMEOUT), "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1"]
 
 
+@in_background
 def test_sigterm_on_one_rank_stops_all_with_a_checkpoint(tmp_path):
     proc, pids = start(tmp_path, 2, training_args(tmp_path))
     os.kill(pids[1], signal.SIGTERM)
@@ -84,6 +85,7 @@ def test_sigterm_on_one_rank_stops_all_with_a_checkpoint(tmp_path):
     assert "Traceback" not in out
 
 
+@in_background
 def test_stopped_rank_ends_the_job_within_timeout(tmp_path):
     proc, pids = start(tmp_path, 3, training_args(tmp_path))
     os.kill(pids[2], signal.SIGSTOP)
@@ -93,6 +95,7 @@ def test_stopped_rank_ends_the_job_within_timeout(tmp_path):
     assert re.search(r"rank 2 stopped responding", out), out
 
 
+@in_background
 def test_killed_rank_ends_the_job_naming_it(tmp_path):
     proc, pids = start(tmp_path, 2, training_args(tmp_path))
     os.kill(pids[1], signal.SIGKILL)

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from pipeflow.hostmem import keep_freed_host_memory
+from tests.conftest import base_env, in_background
 
 glibc = pytest.mark.skipif("CS_GNU_LIBC_VERSION" not in os.confstr_names
                            or not os.confstr("CS_GNU_LIBC_VERSION"), reason="glibc's malloc only")
@@ -34,23 +35,26 @@ libc.free(big)
 
 
 def probe(setup: str) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    env = {k: v for k, v in base_env().items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     out = subprocess.run([sys.executable, "-c", PROBE.format(setup=setup)], capture_output=True, text=True, env=env,
                          check=True)
     return out.stdout.strip().splitlines()[-1]
 
 
 @glibc
+@in_background
 def test_glibc_defaults_trim_and_map_afresh():  # what the setting changes
     assert probe("") == "False False"
 
 
 @glibc
+@in_background
 def test_kept_memory_stays_in_the_heap():
     assert probe("from pipeflow.hostmem import keep_freed_host_memory; assert keep_freed_host_memory()") == "True True"
 
 
 @glibc
+@in_background
 def test_cpu_profiling_runs_as_the_ranks_do():
     assert probe("from partitioner.profiler import profile_model; from pipeflow.models import mlp\n"
                  "profile_model(mlp.build(layers=2, hidden=8, d_in=4, samples=8), 2, 'cpu', repeats=1, warmup=0)"
@@ -58,6 +62,7 @@ def test_cpu_profiling_runs_as_the_ranks_do():
 
 
 @glibc
+@in_background
 def test_a_cpu_world_keeps_freed_memory():
     assert probe("from pipeflow.comm import init_world; init_world(device='cpu')") == "True True"
 

@@ -17,6 +17,7 @@ from partitioner.profile import LayerProfile, Profile, ProfileError
 from partitioner.profiler import profile_model
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.spec import ModelSpec, build_model
+from tests.conftest import base_env, in_background
 
 GOOD: dict[str, Any] = {
     "format": "pipeflow.profile/1", "model": "gpt", "model_args": {"layers": 4}, "device": "cpu",
@@ -178,11 +179,12 @@ def test_the_loss_memory_beyond_its_input_is_profiled(tmp_path: Path) -> None:
         Profile.load(write(tmp_path, {**GOOD, "loss_bytes": -1}))
 
 
+@in_background
 def test_profile_cli(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     r = subprocess.run([sys.executable, "-m", "partitioner.profiler", "--model", "mlp", "--model-args",
                         '{"layers": 3}', "--microbatch-size", "2", "--warmup", "0", "--repeats", "1", "-o", str(out)],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, env=base_env())
     assert r.returncode == 0, r.stderr
     assert len(Profile.load(out).layers) == 3
 
