@@ -89,7 +89,7 @@ def optimizer_state(engine: Any, layers: tuple[int, int] | None = None) -> dict[
     names = _param_names(engine)
     if layers is not None:
         names = {i: [n for n in ns if layers[0] <= _layer(n) < layers[1]] for i, ns in names.items()}
-    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    order = [names.get(id(p), []) for g in opt.param_groups for p in g["params"]]  # none: a placeholder (update.py)
     sd = opt.state_dict()
     state = {name: {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
              for i, s in sd["state"].items() for name in order[i]}

@@ -21,7 +21,7 @@ from pipeflow.spec import ModelSpec
 from pipeflow.split import gemm_accumulation, linear_notes
 from pipeflow.stage import Stage, mark_requires_grad
 from pipeflow.stash import LiveWeights, segment_policy
-from pipeflow.update import Update
+from pipeflow.update import Update, make_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,7 @@ class Engine:
         # No reference to spec (its layer list) is kept: only this rank's layers stay alive (issue 10).
         self.world, self.plan, self.loader = world, plan, loader
         self.kind = schedule_kind(schedule)  # the schedule's rules (kinds.py)
-        self.m = plan.microbatches
-        self.total_steps = total_steps
+        self.m, self.total_steps = plan.microbatches, total_steps
         self.timer: Timing = timer or Timer()
         self.s, self.r = plan.stage_of_rank(world.rank)  # rank group (the stage, without interleaving), replica
         self.S, self.v = plan.groups, plan.virtual_stages
@@ -75,7 +74,8 @@ class Engine:
         st = plan.stages[self.s]
         self.shard = sharded(self._parameters, st.replicas, self.r, self.replica_groups.get(tuple(st.ranks)),
                              st.ranks) if shard_optimizer or plan.shard_optimizer else None  # ZeRO stage 1
-        self.optimizer = optimizer_factory(self.shard.owned if self.shard else self.parameters())
+        self.optimizer = make_optimizer(optimizer_factory, self.shard.owned if self.shard else self.parameters(),
+                                        world.device)
         self.policy: WeightHooks = WeightPolicy()
         if self.kind.weights is not Weights.LIVE:
             self._new_policy()

@@ -245,7 +245,7 @@ def _load_optimizer(engine: Any, states: dict[str, dict[str, Any]]) -> None:
     order = [p for g in opt.param_groups for p in g["params"]]
     state: dict[int, dict[str, Any]] = {}
     for i, p in enumerate(order):  # a tied parameter: any of its names (their states are equal)
-        found = [n for n in names[id(p)] if n in states]
+        found = [n for n in names.get(id(p), []) if n in states]  # none: a placeholder (update.py)
         if found:
             state[i] = states[found[0]]
     groups, i = [], 0

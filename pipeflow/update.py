@@ -23,6 +23,7 @@ deferral); its outcome, and the device flag of a gate that arms the optimizer to
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +33,16 @@ from pipeflow.reduce import GradReducer, Reduction
 from pipeflow.shard import ShardedUpdate
 
 log = logging.getLogger(__name__)
+
+
+def make_optimizer(factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+                   params: list[torch.nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
+    """The rank's optimizer over `params`. A rank without any (a stage of activations and pooling only, or a
+    sharded replica that owns none) gets one over a frozen empty placeholder, which no update ever touches:
+    torch.optim refuses an empty list, and checkpoints, the guard and the reports expect an optimizer."""
+    if not params:
+        params = [torch.nn.Parameter(torch.empty(0, device=device), requires_grad=False)]
+    return factory(params)
 
 
 class Update:

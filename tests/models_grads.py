@@ -123,3 +123,9 @@ def wide(features: int = 1 << 20, layers: int = 2, samples: int = 1024) -> Model
     """Elementwise scale layers: activations of `features` values per sample for almost no compute."""
     return ModelSpec(layers=[Scale(features) for _ in range(layers)], loss_fn=F.mse_loss,
                      dataset=_Noise(features, samples))
+
+
+def activations(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
+    """Layers: input, ReLU, Tanh, output: a plan may give the two middle ones a stage without any parameter."""
+    layers: list[nn.Module] = [Inp(d_in, hidden), nn.ReLU(), nn.Tanh(), Out(hidden, classes)]
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))

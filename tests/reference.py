@@ -104,7 +104,8 @@ def reference_delayed(model: str, model_args: dict[str, Any], *, schedule: str, 
     version = weight_versions(schedule, reps, minibatch=microbatches, vertical_sync=vertical_sync)
     per_update = reps if schedule == "async" else [microbatches] * len(stages)
     scale = 1.0 if schedule == "async" else 1.0 / microbatches
-    opts = [make_optimizer(optimizer, mod.parameters(), lr, momentum) for mod in mods]
+    opts = [make_optimizer(optimizer, list(mod.parameters()), lr, momentum) if any(True for _ in mod.parameters())
+            else None for mod in mods]  # a stage of activations only has nothing to update
     history = [[{k: v.detach().clone() for k, v in mod.named_parameters()}] for mod in mods]
     pending: list[dict[str, torch.Tensor]] = [{} for _ in mods]
     loader = MicrobatchLoader(spec.dataset, microbatch_size, seed=seed)
@@ -129,7 +130,8 @@ def reference_delayed(model: str, model_args: dict[str, Any], *, schedule: str, 
             if (t + 1) % per_update[s] == 0:
                 for k, p in mod.named_parameters():
                     p.grad = pending[s].pop(k) / (per_update[s] if schedule == "async" else 1)
-                opts[s].step()
-                opts[s].zero_grad()
+                if opts[s] is not None:
+                    opts[s].step()
+                    opts[s].zero_grad()
                 history[s].append({k: v.detach().clone() for k, v in mod.named_parameters()})
     return {k: v.detach() for k, v in net.state_dict().items()}
