@@ -34,6 +34,12 @@ class ModelSpec:
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, nn.Module):
                 raise TypeError(f"ModelSpec.layers[{i}] is {type(layer).__name__}, expected an nn.Module")
+        if isinstance(self.loss_fn, nn.Module):
+            names = [n for n, _ in self.loss_fn.named_parameters()]
+            if names:  # no stage holds them: no optimizer would ever update them
+                raise ValueError(f"the loss {type(self.loss_fn).__name__} has parameters ({', '.join(names[:3])}), "
+                                 f"which pipeflow would never train: only the layers' parameters are; expected a "
+                                 f"loss without parameters, so move them into the last layer")
 
 
 def model_dtype(module: nn.Module) -> torch.dtype | None:
