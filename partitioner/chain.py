@@ -13,6 +13,7 @@ import torch
 
 from partitioner.layermem import sandbox_copy
 from partitioner.measure import free_cached, machine_bytes, map_tensors, prepare_input, tensors
+from pipeflow.received import received
 from pipeflow.spec import ModelSpec
 
 
@@ -85,7 +86,7 @@ def time_chain(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: i
         if not accumulate:
             for layer in layers:
                 layer.zero_grad(set_to_none=True)
-        h = prepare_input(x, device, None)  # floating inputs require grad, as a received activation does
+        h = received(prepare_input(x, device, None))  # requiring grad, as a stage receives it (pipeflow/received.py)
         fwd_marks = [clock.stamp()]
         outs: list[Any] = []
         for layer in layers:

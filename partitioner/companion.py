@@ -31,6 +31,7 @@ from partitioner.chain import time_chain, windows
 from partitioner.layermem import sandbox_copy
 from partitioner.measure import as_a_rank, cast_floats_to, free_cached, map_tensors, prepare_input, tensors
 from pipeflow.data.loader import MicrobatchLoader
+from pipeflow.received import received
 from pipeflow.spec import ModelSpec, build_model, model_dtype
 from pipeflow.split import gemm_accumulation
 
@@ -158,7 +159,7 @@ def _work(config: dict[str, Any], stop: threading.Event) -> None:
                     if passes % 2 == 0:
                         for layer in layers:
                             layer.zero_grad(set_to_none=True)
-                    h = prepare_input(x, dev, None)
+                    h = received(prepare_input(x, dev, None))
                     for layer in layers:
                         h = layer(h)
                     if count == len(spec.layers):

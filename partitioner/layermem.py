@@ -13,6 +13,7 @@ from torch import nn
 from partitioner.measure import cast_floats_to, free_cached, machine_bytes, map_tensors, nbytes, prepare_input, tensors
 from partitioner.profile import ProfileError
 from pipeflow.data.loader import MicrobatchLoader
+from pipeflow.received import received
 from pipeflow.spec import ModelSpec
 from pipeflow.split import WeightGradStore, install
 
@@ -25,7 +26,7 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int]:
 def saved_bytes(layer: nn.Module, x: Any) -> int:
     """Bytes autograd keeps for this layer's backward: unique storages of the saved tensors, parameters
     excluded (the planner counts those separately)."""
-    return _saved(lambda: layer(x), {_storage_key(p) for p in layer.parameters()})
+    return _saved(lambda: layer(received(x)), {_storage_key(p) for p in layer.parameters()})
 
 
 def loss_bytes(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any, target: Any, device: torch.device) -> int:

@@ -11,6 +11,7 @@ from torch import nn
 from partitioner.layermem import saved_bytes
 from partitioner.measure import Timer, prepare_input, tensors
 from partitioner.profile import ProfileError
+from pipeflow.received import received
 from pipeflow.split import time_split_backward
 
 
@@ -25,7 +26,7 @@ def _time_forward_backward(layer: nn.Module, x: Any, timer: Timer, *, accumulate
     holder: dict[str, Any] = {}
 
     def forward() -> None:
-        holder["y"] = layer(x)
+        holder["y"] = layer(received(x))  # as a stage gets it: it may change it in place
 
     t_f = timer(forward)
     ys = [t for t in tensors(holder["y"]) if t.requires_grad]

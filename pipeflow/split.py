@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from partitioner.plan import ACCUMULATIONS  # plan.json's `accumulation` takes the same values
+from pipeflow.received import received
 
 
 def gemm_accumulation(environ: Mapping[str, str] = os.environ, *, planned: str | None = None) -> bool:
@@ -229,7 +230,7 @@ def time_split_backward(layer: nn.Module, x: Any, timer: Callable[[Callable[[], 
     w_ms: list[float] = []
     try:
         for it in range(warmup + repeats):
-            ys = [t for t in tree_leaves(layer(x)) if isinstance(t, torch.Tensor) and t.requires_grad]
+            ys = [t for t in tree_leaves(layer(received(x))) if isinstance(t, torch.Tensor) and t.requires_grad]
             if not ys:
                 return None
             grads = [torch.randn_like(t) for t in ys]

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from pipeflow.comm import _not_sequence, flatten
+from pipeflow.received import received
 from pipeflow.spec import model_dtype
 from pipeflow.split import WeightGradStore, install
 
@@ -128,7 +129,7 @@ class Stage:
             leaves: list[torch.Tensor] = []
         else:
             leaves = [t for t in inputs if t.requires_grad]
-            x = inputs[0] if len(inputs) == 1 else tuple(inputs)
+            x = received(inputs[0] if len(inputs) == 1 else tuple(inputs))  # may be changed in place (received.py)
         out = self.run_layers(mb if global_mb is None else global_mb, x)
         if self.last:
             if self.loss_fn is None or target is None:

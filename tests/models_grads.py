@@ -129,3 +129,12 @@ def activations(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int =
     """Layers: input, ReLU, Tanh, output: a plan may give the two middle ones a stage without any parameter."""
     layers: list[nn.Module] = [Inp(d_in, hidden), nn.ReLU(), nn.Tanh(), Out(hidden, classes)]
     return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
+
+
+def inplace_relu(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
+    """Layers: Linear, ReLU(inplace=True), Linear, ReLU(inplace=True), output (torchvision's VGG and ResNet use such
+    ReLUs, each after a layer whose backward does not need its output): a stage that starts at one changes its
+    received input in place."""
+    layers: list[nn.Module] = [nn.Linear(d_in, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, hidden),
+                               nn.ReLU(inplace=True), Out(hidden, classes)]
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))

@@ -34,7 +34,8 @@ FORMATS = {"pipeflow.schedule", "pipeflow.actions", "pipeflow.kinds", "pipeflow.
 # pipeflow.tensorops: an update's non-finite check and weight copy (torch only), which measurement times.
 PARTITIONER_MAY_IMPORT = {"pipeflow.schedule", "pipeflow.actions", "pipeflow.kinds", "pipeflow.zerobubble",
                          "pipeflow.interleave", "pipeflow.warmup", "pipeflow.hostmem", "pipeflow.tensorops"}
-PROFILER_MAY_IMPORT = PARTITIONER_MAY_IMPORT | {"pipeflow.spec", "pipeflow.data.loader", "pipeflow.split"}
+PROFILER_MAY_IMPORT = PARTITIONER_MAY_IMPORT | {"pipeflow.spec", "pipeflow.data.loader", "pipeflow.split",
+                                                "pipeflow.received"}  # a layer's input as a stage gets it
 PROFILER_MODULES = {"partitioner.profiler", "partitioner.layermem", "partitioner.chain", "partitioner.layertime",
                     "partitioner.companion"}  # they run the layers
 # The communication modules, the only ones that may import mpi4py or torch.distributed: pipeflow.comm (the
