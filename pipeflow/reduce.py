@@ -112,6 +112,9 @@ class GradReducer:
 
     def _launch(self, b: int) -> None:
         ps = self.buckets[b]
+        for p in ps:  # nn.Embedding(sparse=True): summed dense, the rows no replica touched zero (the same update)
+            if p.grad is not None and p.grad.is_sparse:
+                p.grad = p.grad.to_dense()
         if b in self.alone:
             p = ps[0]
             here = p.grad is not None

@@ -17,6 +17,8 @@ def nonfinite_flag(grads: Iterable[torch.Tensor], device: torch.device,
     found = torch.zeros((), dtype=torch.float32, device=device)
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
+        if g.is_sparse:  # nn.Embedding(sparse=True): its values, duplicates summed as the optimizer will
+            g = g.coalesce().values()
         groups.setdefault((g.device, g.dtype), []).append(g)
     for (gdev, dtype), same in groups.items():
         if dtype in (torch.float16, torch.float32, torch.float64):

@@ -138,3 +138,23 @@ def inplace_relu(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int 
     layers: list[nn.Module] = [nn.Linear(d_in, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, hidden),
                                nn.ReLU(inplace=True), Out(hidden, classes)]
     return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
+
+
+class EmbedMean(nn.Module):
+    """The mean of a sample's token embeddings, gradients sparse (nn.Embedding(sparse=True))."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden, sparse=True)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids).mean(dim=1)
+
+
+def sparse_embedding(vocab: int = 20, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
+    """Layers: a sparse-gradient embedding of 4 tokens a sample, Tanh, output."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, vocab, (samples, 4), generator=g)
+    y = torch.randint(0, classes, (samples,), generator=g)
+    layers: list[nn.Module] = [EmbedMean(vocab, hidden), nn.Tanh(), Out(hidden, classes)]
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=TensorDataset(ids, y))
