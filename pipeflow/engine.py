@@ -21,7 +21,7 @@ from pipeflow.spec import ModelSpec
 from pipeflow.split import gemm_accumulation, linear_notes
 from pipeflow.stage import Stage, mark_requires_grad
 from pipeflow.stash import LiveWeights, segment_policy
-from pipeflow.update import Update, make_optimizer
+from pipeflow.update import Update, optimizer_over
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class Engine:
         st = plan.stages[self.s]
         self.shard = sharded(self._parameters, st.replicas, self.r, self.replica_groups.get(tuple(st.ranks)),
                              st.ranks) if shard_optimizer or plan.shard_optimizer else None  # ZeRO stage 1
-        self.optimizer = make_optimizer(optimizer_factory, self.shard.owned if self.shard else self.parameters(),
+        self.optimizer = optimizer_over(optimizer_factory, self.shard.owned if self.shard else self.parameters(),
                                         world.device)
         self.policy: WeightHooks = WeightPolicy()
         if self.kind.weights is not Weights.LIVE:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,9 +24,21 @@ log = logging.getLogger("pipeflow")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
-def make_optimizer(args: TrainConfig) -> OptimizerFactory:
+def sparse_gradients(layers: list[torch.nn.Module]) -> bool:
+    """Whether a layer makes sparse gradients (nn.Embedding or nn.EmbeddingBag with sparse=True), which torch's
+    fused optimizers refuse ("`_fused_sgd` does not support sparse gradients")."""
+    kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+    return any(isinstance(m, kinds) and m.sparse for layer in layers for m in layer.modules())
+
+
+def fused_step(params: list[Any], *, sparse: bool) -> bool:
+    """One kernel per step: on GPUs, unless a layer makes sparse gradients."""
+    return bool(params) and all(p.is_cuda for p in params) and not sparse
+
+
+def make_optimizer(args: TrainConfig, *, sparse: bool = False) -> OptimizerFactory:
     def factory(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        fused = bool(params) and all(p.is_cuda for p in params)  # one kernel per step on GPUs
+        fused = fused_step(params, sparse=sparse)
         if args.optimizer == "sgd":
             # Fused SGD skips a non-finite step on the device (guard.py) exactly only without momentum: a
             # skipped first step would leave its momentum buffers uninitialised (torch's _fused_sgd).
@@ -65,7 +77,8 @@ def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Control, watchdog:
     signals = SignalStop()
     # The Python API's pipeline (api.py), fed by the dataset's loader, with the monitor's timer and the
     # non-finite guard (supervisor.step_guard) as its hooks.
-    pipe = Pipeline(spec.layers, spec.loss_fn, plan=plan, optimizer=make_optimizer(args),
+    optimizer = make_optimizer(args, sparse=sparse_gradients(spec.layers))
+    pipe = Pipeline(spec.layers, spec.loss_fn, plan=plan, optimizer=optimizer,
                     warmup=resolve_warmup(args.warmup, plan), dtype=DTYPES[args.dtype] if args.dtype else None,
                     seed=args.seed, vertical_sync=args.vertical_sync, world=world, data=loader, timer=monitor.timer,
                     step_gate=step_guard(args, comm, signals), total_steps=args.steps,

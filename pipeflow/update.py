@@ -35,7 +35,7 @@ from pipeflow.shard import ShardedUpdate
 log = logging.getLogger(__name__)
 
 
-def make_optimizer(factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+def optimizer_over(factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
                    params: list[torch.nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
     """The rank's optimizer over `params`. A rank without any (a stage of activations and pooling only, or a
     sharded replica that owns none) gets one over a frozen empty placeholder, which no update ever touches:

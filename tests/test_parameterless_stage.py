@@ -1,6 +1,6 @@
 """A stage without parameters (activations only): it trains, replicated or not, under flush and asynchronous
 schedules, and its checkpoint resumes; torch.optim refuses an empty parameter list, so before this it stopped
-with that traceback (pipeflow/update.py, make_optimizer)."""
+with that traceback (pipeflow/update.py, optimizer_over)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeflow.update import make_optimizer
+from pipeflow.update import optimizer_over
 from tests.conftest import Case, MpiRun, batched
 from tests.reference import reference_delayed
 from tests.test_seams_grads import SMALL, B, assert_same, reference, saved, train
@@ -18,7 +18,7 @@ OPT = ["--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.01"]
 
 
 def test_a_rank_without_parameters_gets_an_optimizer_that_updates_nothing() -> None:
-    opt = make_optimizer(lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.1), [], torch.device("cpu"))
+    opt = optimizer_over(lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.1), [], torch.device("cpu"))
     (placeholder,) = opt.param_groups[0]["params"]
     assert placeholder.numel() == 0 and not placeholder.requires_grad
     opt.step()

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
 from pipeflow.data.loader import MicrobatchLoader
+from pipeflow.runner import fused_step, sparse_gradients
 from pipeflow.spec import build_model
 from pipeflow.tensorops import nonfinite_flag
 from tests.conftest import Case, MpiRun, batched, write_plan
@@ -57,3 +59,18 @@ def sparse_runs(d: Path, replicas: int) -> Case:
 @batched(sparse_runs)
 def test_a_sparse_embedding_trains_as_in_one_process(mpi: MpiRun, replicas: int) -> None:
     assert_same(saved(mpi), reference())
+
+
+def test_a_gpu_run_with_sparse_gradients_steps_unfused() -> None:
+    """pipeflow-train's optimizers are fused on GPUs (one kernel a step), and torch's fused SGD refuses sparse
+    gradients: a model that makes them gets the unfused step."""
+    on_gpu, on_cpu = [SimpleNamespace(is_cuda=True)], [SimpleNamespace(is_cuda=False)]
+    assert fused_step(on_gpu, sparse=False) and not fused_step(on_gpu, sparse=True)
+    assert not fused_step(on_cpu, sparse=False) and not fused_step([], sparse=False)
+    assert sparse_gradients(build_model(MODEL, {}).layers)
+    assert not sparse_gradients([nn.Embedding(3, 2), nn.Linear(2, 2)])
+    assert sparse_gradients([nn.Sequential(nn.EmbeddingBag(3, 2, sparse=True))])
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):  # what the fused step does
+        e = nn.Embedding(3, 2, sparse=True)
+        e(torch.tensor([1])).sum().backward()
+        torch.optim.SGD(e.parameters(), lr=0.1, fused=True).step()
