@@ -31,12 +31,12 @@ UPDATES = 4
 
 
 def _not_sequence(x: Any) -> bool:
-    """Pytree leaves here: everything but tuples and lists (a layer's data is a tensor or nested tuples/lists)."""
-    return not isinstance(x, (tuple, list))
+    """Pytree leaves here: everything but tuples, lists and dicts (what a layer's data may nest: structure.py)."""
+    return not isinstance(x, (tuple, list, dict))
 
 
 def tensors(x: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a layer's input or output (a tensor or a nested tuple/list of tensors), in order."""
+    """The tensors of a layer's input or output (a tensor, or tuples, lists and dicts of them), in order."""
     return (t for t in tree_leaves(x, is_leaf=_not_sequence) if isinstance(t, torch.Tensor))
 
 

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_leaves
 
 from pipeflow.bufpool import BufferPool
 from pipeflow.celink import CopyEngines
@@ -148,15 +147,6 @@ def _not_sequence(x: Any) -> bool:
     return not isinstance(x, (tuple, list))
 
 
-def flatten(x: Any) -> list[torch.Tensor]:
-    """A layer's output (tensor or nested tuple/list of tensors) as a flat list, depth-first in order."""
-    leaves = tree_leaves(x, is_leaf=_not_sequence)
-    for t in leaves:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"stage outputs must be tensors or tuples of tensors, found {type(t).__name__}")
-    return leaves
-
-
 class P2P:
     """Sends and receives between neighbouring stages' ranks.
 
@@ -169,7 +159,7 @@ class P2P:
     def __init__(self, world: World, groups: dict[tuple[int, int, str], Any], *, window: int | None = None) -> None:
         self.world = world
         self.groups = groups
-        self.meta_cache: dict[tuple[int, int, Any], list[TensorMeta]] = {}
+        self.meta_cache: dict[tuple[int, int, Any], tuple[list[TensorMeta], Any]] = {}  # shapes, structure.py's tree
         # Posted sends not known complete, oldest first (works, bytes); beyond `window` the oldest is waited for.
         self.pending_sends: list[tuple[list[Any], int]] = []
         self.window = window
@@ -198,11 +188,13 @@ class P2P:
                                "disagree about which ranks talk") from None
         return group.take() if isinstance(group, Turns) else group  # the message's group (links.make_links)
 
-    def send(self, tensors: list[torch.Tensor], dst: int, direction: str, signature: Any = None) -> None:
-        """Non-blocking send; with a signature, first send the shapes if this channel has not seen it."""
+    def send(self, tensors: list[torch.Tensor], dst: int, direction: str, signature: Any = None,
+             tree: Any = None) -> None:
+        """Non-blocking send; with a signature, first send the shapes (and `tree`, what surrounds the tensors:
+        structure.py) if this channel has not seen it."""
         if signature is not None:
             key = (self.world.rank, dst, signature)
-            meta = [(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors]
+            meta = ([(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors], tree)
             cached = self.meta_cache.get(key)
             if cached is None:
                 self.world.mpi.send(pickle.dumps(meta), dest=dst, tag=META_TAG)
@@ -234,7 +226,7 @@ class P2P:
             key = (src, self.world.rank, signature)
             if key not in self.meta_cache:
                 self.meta_cache[key] = pickle.loads(self.world.mpi.recv(source=src, tag=META_TAG))
-            meta = self.meta_cache[key]
+            meta = self.meta_cache[key][0]
         key = (src, self.world.rank, direction)
         group = self._group(*key)
         self._reap()
@@ -277,9 +269,9 @@ class P2P:
             self.ce.close()
             self.ce = None
 
-    def expect_meta(self, src: int, signature: Any) -> list[TensorMeta]:
-        key = (src, self.world.rank, signature)
-        return self.meta_cache[key]
+    def expect_meta(self, src: int, signature: Any) -> tuple[list[TensorMeta], Any]:
+        """The shapes and the structure (structure.py) received from `src` for `signature`."""
+        return self.meta_cache[(src, self.world.rank, signature)]
 
     def wait_sends(self, keep: int = 0) -> None:
         """Complete all but the newest `keep` sends and drop them (their buffers may then be freed)."""

@@ -96,8 +96,6 @@ class Engine:
         """Every parameter of this rank's chunks, once (a tied one too), the live ones even during a stashed forward."""
         return list(self._parameters)
 
-    # ------------------------------------------------------------------ set-up
-
     def _use_schedule(self, steps: int) -> None:
         """The action list for `steps` minibatches (flush: one step's list, whatever `steps`)."""
         if steps not in self._scheds:
@@ -137,8 +135,6 @@ class Engine:
             self._peers[key] = self.rank_of(self.sched.peer(self.worker, a))
         return self._peers[key]
 
-    # ------------------------------------------------------------------ execution
-
     def global_mb(self, step: int, i: int) -> int:
         return step * self.m + i if self.flush else self.mb_offset + i
 
@@ -175,7 +171,8 @@ class Engine:
                 outputs[key] = self._forward(stage, step, a, posted)
             elif a.kind is Kind.SEND_F:
                 with self.timer.span("SEND_F", i):
-                    self.p2p.send(outputs[key], self._peer(a), "F", signature=self._signature(k, step, i))
+                    self.p2p.send(outputs[key], self._peer(a), "F", signature=self._signature(k, step, i),
+                                  tree=stage.trees.pop(i, None))
             elif a.kind is Kind.B:
                 posted = recv_b.pop(key, None)
                 if posted is None and not stage.last:
@@ -228,6 +225,7 @@ class Engine:
         # A stage that is both first and last (data parallelism) reads the microbatch once.
         data = self.loader.microbatch(j) if stage.first or stage.last else None
         target = data[1] if data is not None and stage.last else None
+        tree = None  # what surrounds the received tensors (structure.py)
         if posted is None:
             assert data is not None
             inputs: Any = data[0]
@@ -237,13 +235,14 @@ class Engine:
                 for w in works:
                     w.wait()
             k = self.sched.stage_at(self.worker, a)
-            meta = self.p2p.expect_meta(self._peer(Action(Kind.RECV_F, i, a.stage)), self._signature(k - 1, step, i))
+            meta, tree = self.p2p.expect_meta(self._peer(Action(Kind.RECV_F, i, a.stage)),
+                                              self._signature(k - 1, step, i))
             inputs = mark_requires_grad(bufs, [m[2] for m in meta])
             self._received[(k, i)] = bufs
         self.policy.before_forward(i)
         scale = self.kind.loss_scale(self.m)
         with self.timer.span("F", i):
-            outs = stage.forward(i, inputs, target, loss_scale=scale, global_mb=j)
+            outs = stage.forward(i, inputs, target, loss_scale=scale, global_mb=j, tree=tree)
         self.policy.after_forward(i)
         if stage.last:
             self.losses.append(outs[0])

@@ -22,10 +22,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from pipeflow.comm import _not_sequence, flatten
+from pipeflow.comm import _not_sequence
 from pipeflow.received import received
 from pipeflow.spec import model_dtype
 from pipeflow.split import WeightGradStore, install
+from pipeflow.structure import Tree, join, split
 
 _MASK64 = (1 << 64) - 1
 
@@ -95,6 +96,7 @@ class Stage:
             self.generators.append(torch.cuda.default_generators[index])
         self.saved: dict[int, _Saved] = {}
         self.weight_store: WeightGradStore | None = None  # set by linear_backward(split=True)
+        self.trees: dict[int, Tree] = {}  # microbatch -> what surrounds its sent tensors, until sent (structure.py)
 
     def linear_backward(self, *, split: bool, fuse: bool) -> list[str]:
         """How the stage's nn.Linear layers compute weight gradients from now on (pipeflow/split.py). `split`
@@ -118,10 +120,11 @@ class Stage:
         return out
 
     def forward(self, mb: int, inputs: list[torch.Tensor] | Any, target: torch.Tensor | None = None,
-                *, loss_scale: float = 1.0, global_mb: int | None = None) -> list[torch.Tensor]:
-        """Run the layers on one microbatch. A received input list is unpacked back into a tuple when
-        the previous stage produced several tensors. On the last stage returns [loss] (detached, unscaled).
-        `global_mb` is the microbatch's index in the data order (default `mb`): it seeds the layers."""
+                *, loss_scale: float = 1.0, global_mb: int | None = None, tree: Tree = None) -> list[torch.Tensor]:
+        """Run the layers on one microbatch. A received input list is put back into the structure the previous
+        stage's layer returned (`tree`, structure.py). On the last stage returns [loss] (detached, unscaled);
+        elsewhere the tensors to send (their structure in `trees[mb]`). `global_mb` is the microbatch's index in
+        the data order (default `mb`): it seeds the layers."""
         if self.first:
             x = to_device(inputs, self.device)
             if self.dtype is not None:
@@ -129,7 +132,7 @@ class Stage:
             leaves: list[torch.Tensor] = []
         else:
             leaves = [t for t in inputs if t.requires_grad]
-            x = received(inputs[0] if len(inputs) == 1 else tuple(inputs))  # may be changed in place (received.py)
+            x = received(join(inputs, tree))  # may be changed in place (received.py)
         out = self.run_layers(mb if global_mb is None else global_mb, x)
         if self.last:
             if self.loss_fn is None or target is None:
@@ -137,7 +140,7 @@ class Stage:
             loss = self.loss_fn(out, to_device(target, self.device))
             self.saved[mb] = _Saved(leaves, [loss * loss_scale])
             return [loss.detach()]
-        outs = flatten(out)
+        outs, self.trees[mb] = split(out)
         self.saved[mb] = _Saved(leaves, [t for t in outs if t.requires_grad])
         return outs
 

@@ -2,6 +2,8 @@
 uses, a module applied twice under reentrant checkpointing, and wide cheap layers for memory runs."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -158,3 +160,43 @@ def sparse_embedding(vocab: int = 20, hidden: int = 8, classes: int = 3, samples
     y = torch.randint(0, classes, (samples,), generator=g)
     layers: list[nn.Module] = [EmbedMean(vocab, hidden), nn.Tanh(), Out(hidden, classes)]
     return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=TensorDataset(ids, y))
+
+
+class Named(nn.Module):
+    """tanh(fc(x)) returned in a dict, beside a pair holding None and an int constant."""
+
+    def __init__(self, d_in: int, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_in, hidden)
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        h = torch.tanh(self.fc(x))
+        return {"h": h, "pair": (h * 2, None), "n": 3}
+
+
+class Unpack(nn.Module):
+    """Reads Named's dict; returns (hidden, None), as an attention layer returns (output, weights)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+
+    def forward(self, d: dict[str, Any]) -> tuple[torch.Tensor, None]:
+        assert d["pair"][1] is None and d["n"] == 3, d
+        return torch.tanh(self.fc(d["h"]) + d["pair"][0] * d["n"]), None
+
+
+class First(nn.Module):
+    def __init__(self, hidden: int, classes: int) -> None:
+        super().__init__()
+        self.out = Out(hidden, classes)
+
+    def forward(self, t: tuple[torch.Tensor, None]) -> torch.Tensor:
+        assert t[1] is None
+        return self.out(t[0])
+
+
+def structured(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
+    """Layers that pass a dict (a tensor, a pair with None, an int) and then (tensor, None) between them."""
+    layers: list[nn.Module] = [Named(d_in, hidden), Unpack(hidden), First(hidden, classes)]
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))

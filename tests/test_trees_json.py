@@ -1,6 +1,6 @@
 """Tensor trees through torch.utils._pytree and JSON files through partitioner.jsonfile (issue 12).
 
-Pure tests (no mpirun): the walkers keep their contracts (stage outputs travel as a flat tensor list, a batch's
+Pure tests (no mpirun): the walkers keep their contracts (stage outputs travel as tensors and a structure, a batch's
 tuples/lists reach the first stage as tuples, non-tensors pass untouched), the loader's collate stays ours (it
 differs from torch's default_collate, pinned below), and plan/profile/marker files are replaced atomically.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import pickle
 from collections import namedtuple
 from pathlib import Path
 
@@ -20,24 +21,35 @@ from partitioner.jsonfile import write_json
 from partitioner.measure import map_tensors as _map
 from partitioner.measure import tensors
 from partitioner.plan import even_plan
-from pipeflow.comm import flatten
 from pipeflow.data.loader import MicrobatchLoader, collate
 from pipeflow.stage import _cast_floats, to_device
+from pipeflow.structure import join, split
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
 Pair = namedtuple("Pair", "a b")
 
 
-def test_flatten_is_depth_first_and_refuses_non_tensors_by_name() -> None:
+def test_a_stage_output_is_sent_depth_first_and_rebuilt_as_it_was() -> None:
+    """structure.split / join: the tensors travel depth first; the structure around them (nested tuples and lists,
+    dicts, None and other constants) is rebuilt for the next stage's first layer (before, a dict or a None was
+    refused mid-run and a nested tuple arrived flat)."""
     a, b, c, d = (torch.full((1,), float(i)) for i in range(4))
-    out = flatten((a, [b, (c,)], d))
+    out, tree = split((a, [b, (c,)], d))
     assert len(out) == 4 and all(x is y for x, y in zip(out, (a, b, c, d)))
-    assert flatten(a) == [a] and flatten(()) == []
-    assert flatten(Pair(a, (b,)))[1] is b
-    for bad, name in (({"h": a}, "dict"), ((a, None), "NoneType"), ((a, 3), "int")):
-        with pytest.raises(TypeError, match=f"^stage outputs must be tensors or tuples of tensors, found {name}$"):
-            flatten(bad)
+    assert join(out, tree) == (a, [b, (c,)], d)
+    assert split(a) == ([a], None) and split((a, b)) == ([a, b], None)  # a flat tuple needs no structure
+    assert split(Pair(a, b)) == ([a, b], None)  # a flat named tuple arrives as a plain tuple, as before
+    with pytest.raises(TypeError, match=r"^a stage's output holds a Pair around other containers, whose structure "
+                                        r"cannot be sent to the next stage; expected tuples, lists and dicts$"):
+        split(Pair(a, (b,)))
+    for given in ({"h": a, "mask": b}, (a, None), (a, 3, "x", True, 1.5), [a], (a,)):
+        tensors, tree = split(given)
+        again = join(list(tensors), pickle.loads(pickle.dumps(tree)))  # the tree travels pickled, with the shapes
+        assert type(again) is type(given) and repr(again) == repr(given), given
+    with pytest.raises(TypeError, match=r"^a stage's output may hold tensors and None, bool, int, float or str in "
+                                        r"tuples, lists and dicts; found set$"):
+        split((a, {1}))
 
 
 def test_first_stage_input_lists_become_tuples_and_non_tensors_pass() -> None:

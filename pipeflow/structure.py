@@ -1,0 +1,46 @@
+"""What crosses a stage boundary when a layer returns more than a tensor or a flat tuple of tensors: nested tuples
+and lists, dicts, None and other constants among the tensors (an attention layer's (output, None), a block's
+(hidden, (key, value)), a dict of named tensors). The tensors travel every microbatch; the structure around them (a
+torch.utils._pytree spec, as text, and the constants) travels once per input signature with their shapes (comm.P2P's
+meta), and the receiving stage's first layer gets the same structure back, as in one process. A flat named tuple of
+tensors arrives as a plain tuple, as before; a nested one is refused (torch cannot write its spec as text)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
+
+CONSTANTS = (type(None), bool, int, float, str)
+# (spec as text, per leaf None where a tensor goes, else (the constant,)); None: a tensor, or a flat tuple of them
+Tree = tuple[str, tuple[tuple[Any, ...] | None, ...]] | None
+
+
+def split(out: Any) -> tuple[list[torch.Tensor], Tree]:
+    """A layer's output as the tensors to send, depth first, and its structure (None when the receiver needs none)."""
+    if isinstance(out, torch.Tensor):  # the common case, without the walk: host time at every forward
+        return [out], None
+    leaves, spec = tree_flatten(out)
+    for leaf in leaves:
+        if not isinstance(leaf, (torch.Tensor, *CONSTANTS)):
+            raise TypeError(f"a stage's output may hold tensors and None, bool, int, float or str in tuples, lists and "
+                            f"dicts; found {type(leaf).__name__}")
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if isinstance(out, torch.Tensor) or (isinstance(out, tuple) and len(out) > 1
+                                         and all(isinstance(v, torch.Tensor) for v in out)):
+        return tensors, None
+    try:
+        text = treespec_dumps(spec)
+    except NotImplementedError:
+        raise TypeError(f"a stage's output holds a {type(out).__name__} around other containers, whose structure "
+                        f"cannot be sent to the next stage; expected tuples, lists and dicts") from None
+    return tensors, (text, tuple(None if isinstance(leaf, torch.Tensor) else (leaf,) for leaf in leaves))
+
+
+def join(tensors: list[torch.Tensor], tree: Tree) -> Any:
+    """The received tensors in the structure the sender's layer returned them in."""
+    if tree is None:
+        return tensors[0] if len(tensors) == 1 else tuple(tensors)
+    text, marks = tree
+    given = iter(tensors)
+    return tree_unflatten([next(given) if mark is None else mark[0] for mark in marks], treespec_loads(text))

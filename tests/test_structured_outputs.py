@@ -1,0 +1,40 @@
+"""Stage outputs with structure (pipeflow/structure.py): a dict holding a tensor, a pair with None and an int, then
+(tensor, None), cross stage boundaries and reach the next layer as the layer returned them, so the run equals one
+process. Before, the runtime refused a dict or a None mid-run with a traceback ("stage outputs must be tensors or
+tuples of tensors"), after planning on the spot had accepted them, and flattened nested tuples."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from partitioner.profiler import profile_model
+from pipeflow.spec import build_model
+from tests.conftest import Case, MpiRun, batched
+from tests.reference import reference_delayed
+from tests.test_seams_grads import SMALL, B, assert_same, reference, saved, train
+
+MODEL = "tests.models_grads:structured"
+OPT = ["--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.01"]
+STAGES = {"1f1b": [(1, 1), (1, 2), (1, 1)], "async": [(1, 1), (1, 1), (1, 1)]}
+
+
+def test_the_profiler_accepts_what_a_stage_can_send() -> None:
+    prof = profile_model(build_model(MODEL, SMALL), 4, "cpu", warmup=0, repeats=1)
+    assert [lay.name for lay in prof.layers] == ["0:Named", "1:Unpack", "2:First"]
+    assert prof.layers[0].output_bytes == 2 * 4 * 8 * 4  # its two tensors (float32), not the None or the int
+
+
+def structured_runs(d: Path, schedule: str) -> Case:
+    return train(d, MODEL, SMALL, STAGES[schedule], schedule=schedule, m=4, steps=3, extra=OPT)
+
+
+@pytest.mark.parametrize("schedule", sorted(STAGES))
+@batched(structured_runs)
+def test_dicts_none_and_nested_tuples_between_stages_train_as_one_process(mpi: MpiRun, schedule: str) -> None:
+    if schedule == "1f1b":
+        want = reference(MODEL, SMALL, steps=3, microbatches=4, optimizer="adamw", lr=0.01, weight_decay=0.01)
+    else:
+        want = reference_delayed(MODEL, SMALL, schedule="async", stages=STAGES["async"], steps=3, microbatches=4,
+                                 microbatch_size=B, optimizer="adamw", lr=0.01)
+    assert_same(saved(mpi), want)
