@@ -25,8 +25,9 @@ NOISY_SPREAD = 1.2
 # its cost per byte is what the planner uses, and a copy of a large model's state may not fit twice. Each timing
 # runs UPDATES back to back, so that what one call costs from an idle device (its first launch, the final sync)
 # is not charged per byte: on 2 x H200 (GPT stage 0, 1.44 GB of bf16 weights, benchmarks/gpu/README.md) one
-# update of a 256 MiB sample timed alone priced the stage's update at 7.4 ms where it took 4.5 ms.
-OPTIMIZER_SAMPLE_BYTES = 1 << 30
+# update of a 256 MiB sample timed alone priced the stage's update at 7.4 ms where it took 4.5 ms. On a CPU, where
+# a call has no such cost and a GiB takes seconds an update, the sample stays at 256 MiB.
+OPTIMIZER_SAMPLE_BYTES = {"cuda": 1 << 30, "cpu": 256 << 20}
 UPDATES = 4
 
 
@@ -188,7 +189,7 @@ def optimizer_ms_per_byte(name: str, parameters: Iterable[torch.Tensor], timer: 
     params: list[torch.Tensor] = []
     nbytes = 0
     for p in parameters:
-        if nbytes >= OPTIMIZER_SAMPLE_BYTES:
+        if nbytes >= OPTIMIZER_SAMPLE_BYTES.get(p.device.type, OPTIMIZER_SAMPLE_BYTES["cpu"]):
             break
         q = p.detach().clone().requires_grad_(True)
         q.grad = torch.randn_like(q)
