@@ -26,7 +26,8 @@ class _Alias(torch.autograd.Function):
 
 
 def received(x: Any) -> Any:
-    """`x` (a tensor, or tuples and lists of them) with each tensor that requires grad replaced by its alias."""
+    """`x` (a tensor, or tuples, lists and dicts of them: structure.py) with each tensor that requires grad replaced
+    by its alias."""
     def alias(t: Any) -> Any:
         return _Alias.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t
     return alias(x) if isinstance(x, torch.Tensor) else tree_map(alias, x)

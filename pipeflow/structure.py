@@ -26,8 +26,7 @@ def split(out: Any) -> tuple[list[torch.Tensor], Tree]:
             raise TypeError(f"a stage's output may hold tensors and None, bool, int, float or str in tuples, lists and "
                             f"dicts; found {type(leaf).__name__}")
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    if isinstance(out, torch.Tensor) or (isinstance(out, tuple) and len(out) > 1
-                                         and all(isinstance(v, torch.Tensor) for v in out)):
+    if isinstance(out, tuple) and len(out) > 1 and all(isinstance(v, torch.Tensor) for v in out):
         return tensors, None
     try:
         text = treespec_dumps(spec)
