@@ -13,6 +13,7 @@ from partitioner.measure import Timer, prepare_input, tensors
 from partitioner.profile import ProfileError
 from pipeflow.received import received
 from pipeflow.split import time_split_backward
+from pipeflow.structure import OutputError
 from pipeflow.structure import split as sendable
 
 
@@ -47,7 +48,7 @@ def profile_layer(layer: nn.Module, x: Any, *, device: torch.device, dtype: torc
     outs = list(tensors(out))
     try:
         sendable(out)  # what a stage can send (pipeflow/structure.py), refused here before any plan is made
-    except TypeError as e:
+    except OutputError as e:
         raise ProfileError(f"layer {type(layer).__name__}: {e}") from None
     if not outs:
         raise ProfileError(f"layer {type(layer).__name__} returned {type(out).__name__}: expected a tensor or a "

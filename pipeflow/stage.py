@@ -26,7 +26,7 @@ from pipeflow.comm import _not_sequence
 from pipeflow.received import received
 from pipeflow.spec import model_dtype
 from pipeflow.split import WeightGradStore, install
-from pipeflow.structure import Tree, join, split
+from pipeflow.structure import OutputError, Tree, join, split
 
 _MASK64 = (1 << 64) - 1
 
@@ -140,7 +140,11 @@ class Stage:
             loss = self.loss_fn(out, to_device(target, self.device))
             self.saved[mb] = _Saved(leaves, [loss * loss_scale])
             return [loss.detach()]
-        outs, self.trees[mb] = split(out)
+        try:
+            outs, self.trees[mb] = split(out)
+        except OutputError as e:  # a split given by hand: the profiler has not seen this output
+            layer = self.start + len(self.module) - 1
+            raise OutputError(f"layer {layer} ({type(self.module[-1]).__name__}), the last of its stage: {e}") from None
         self.saved[mb] = _Saved(leaves, [t for t in outs if t.requires_grad])
         return outs
 

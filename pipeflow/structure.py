@@ -11,9 +11,16 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
+from pipeflow.failure import UsageError
+
 CONSTANTS = (type(None), bool, int, float, str)
 # (spec as text, per leaf None where a tensor goes, else (the constant,)); None: a tensor, or a flat tuple of them
 Tree = tuple[str, tuple[tuple[Any, ...] | None, ...]] | None
+
+
+class OutputError(UsageError):
+    """A stage's output holds what cannot cross to the next stage: the profiler refuses it before any plan, the
+    runtime (a split given by hand) at the first forward, each in one line."""
 
 
 def split(out: Any) -> tuple[list[torch.Tensor], Tree]:
@@ -23,16 +30,16 @@ def split(out: Any) -> tuple[list[torch.Tensor], Tree]:
     leaves, spec = tree_flatten(out)
     for leaf in leaves:
         if not isinstance(leaf, (torch.Tensor, *CONSTANTS)):
-            raise TypeError(f"a stage's output may hold tensors and None, bool, int, float or str in tuples, lists and "
-                            f"dicts; found {type(leaf).__name__}")
+            raise OutputError(f"a stage's output may hold tensors and None, bool, int, float or str in tuples, lists "
+                              f"and dicts; found {type(leaf).__name__}")
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     if isinstance(out, tuple) and len(out) > 1 and all(isinstance(v, torch.Tensor) for v in out):
         return tensors, None
     try:
         text = treespec_dumps(spec)
     except NotImplementedError:
-        raise TypeError(f"a stage's output holds a {type(out).__name__} around other containers, whose structure "
-                        f"cannot be sent to the next stage; expected tuples, lists and dicts") from None
+        raise OutputError(f"a stage's output holds a {type(out).__name__} around other containers, whose structure "
+                          f"cannot be sent to the next stage; expected tuples, lists and dicts") from None
     return tensors, (text, tuple(None if isinstance(leaf, torch.Tensor) else (leaf,) for leaf in leaves))
 
 

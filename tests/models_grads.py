@@ -200,3 +200,29 @@ def structured(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 
     """Layers that pass a dict (a tensor, a pair with None, an int) and then (tensor, None) between them."""
     layers: list[nn.Module] = [Named(d_in, hidden), Unpack(hidden), First(hidden, classes)]
     return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
+
+
+class Tagged(nn.Module):
+    """Returns its output in a dict beside a set, which no stage can send."""
+
+    def __init__(self, d_in: int, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_in, hidden)
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        return {"h": self.fc(x), "tags": {1, 2}}
+
+
+class Untag(nn.Module):
+    def __init__(self, hidden: int, classes: int) -> None:
+        super().__init__()
+        self.out = Out(hidden, classes)
+
+    def forward(self, d: dict[str, Any]) -> torch.Tensor:
+        return self.out(d["h"])
+
+
+def unsendable(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
+    """Layers: one returning a set beside its tensor (fine in one process, not between stages), output."""
+    layers: list[nn.Module] = [Tagged(d_in, hidden), Untag(hidden, classes)]
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))

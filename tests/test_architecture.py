@@ -35,7 +35,8 @@ FORMATS = {"pipeflow.schedule", "pipeflow.actions", "pipeflow.kinds", "pipeflow.
 PARTITIONER_MAY_IMPORT = {"pipeflow.schedule", "pipeflow.actions", "pipeflow.kinds", "pipeflow.zerobubble",
                          "pipeflow.interleave", "pipeflow.warmup", "pipeflow.hostmem", "pipeflow.tensorops"}
 PROFILER_MAY_IMPORT = PARTITIONER_MAY_IMPORT | {"pipeflow.spec", "pipeflow.data.loader", "pipeflow.split",
-                                                "pipeflow.received", "pipeflow.structure"}  # data as a stage has it
+                                                "pipeflow.received", "pipeflow.structure",  # data as a stage has it
+                                                "pipeflow.failure"}  # structure's refusal is a usage error
 PROFILER_MODULES = {"partitioner.profiler", "partitioner.layermem", "partitioner.chain", "partitioner.layertime",
                     "partitioner.companion"}  # they run the layers
 # The communication modules, the only ones that may import mpi4py or torch.distributed: pipeflow.comm (the

@@ -10,7 +10,7 @@ import pytest
 
 from partitioner.profiler import profile_model
 from pipeflow.spec import build_model
-from tests.conftest import Case, MpiRun, batched
+from tests.conftest import Case, MpiRun, batched, in_background, run_mpi
 from tests.reference import reference_delayed
 from tests.test_seams_grads import SMALL, B, assert_same, reference, saved, train
 
@@ -38,3 +38,16 @@ def test_dicts_none_and_nested_tuples_between_stages_train_as_one_process(mpi: M
         want = reference_delayed(MODEL, SMALL, schedule="async", stages=STAGES["async"], steps=3, microbatches=4,
                                  microbatch_size=B, optimizer="adamw", lr=0.01)
     assert_same(saved(mpi), want)
+
+
+@in_background
+def test_an_output_no_stage_can_send_on_a_split_by_hand_stops_in_one_line() -> None:
+    """The profiler never saw the layers of a split given by hand: a set in a stage's output is refused at the first
+    forward, in one line naming the layer, exit 2. Before, a TypeError's traceback and exit 1."""
+    proc = run_mpi(2, ["--model", "tests.models_grads:unsendable", "--device", "cpu", "--layers-per-stage", "1,1",
+                       "--steps", "2", "--microbatches", "2"], timeout=120, check=False)
+    lines = [line for line in proc.stderr.splitlines() if "pipeflow-train" in line]
+    assert proc.returncode == 2 and lines == [
+        "pipeflow-train: error: [rank 0] layer 0 (Tagged), the last of its stage: a stage's output may hold tensors "
+        "and None, bool, int, float or str in tuples, lists and dicts; found set"], proc.stderr
+    assert "Traceback" not in proc.stderr

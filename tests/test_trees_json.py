@@ -23,7 +23,7 @@ from partitioner.measure import tensors
 from partitioner.plan import even_plan
 from pipeflow.data.loader import MicrobatchLoader, collate
 from pipeflow.stage import _cast_floats, to_device
-from pipeflow.structure import join, split
+from pipeflow.structure import OutputError, join, split
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
@@ -40,14 +40,14 @@ def test_a_stage_output_is_sent_depth_first_and_rebuilt_as_it_was() -> None:
     assert join(out, tree) == (a, [b, (c,)], d)
     assert split(a) == ([a], None) and split((a, b)) == ([a, b], None)  # a flat tuple needs no structure
     assert split(Pair(a, b)) == ([a, b], None)  # a flat named tuple arrives as a plain tuple, as before
-    with pytest.raises(TypeError, match=r"^a stage's output holds a Pair around other containers, whose structure "
+    with pytest.raises(OutputError, match=r"^a stage's output holds a Pair around other containers, whose structure "
                                         r"cannot be sent to the next stage; expected tuples, lists and dicts$"):
         split(Pair(a, (b,)))
     for given in ({"h": a, "mask": b}, (a, None), (a, 3, "x", True, 1.5), [a], (a,)):
         tensors, tree = split(given)
         again = join(list(tensors), pickle.loads(pickle.dumps(tree)))  # the tree travels pickled, with the shapes
         assert type(again) is type(given) and repr(again) == repr(given), given
-    with pytest.raises(TypeError, match=r"^a stage's output may hold tensors and None, bool, int, float or str in "
+    with pytest.raises(OutputError, match=r"^a stage's output may hold tensors and None, bool, int, float or str in "
                                         r"tuples, lists and dicts; found set$"):
         split((a, {1}))
 
