@@ -9,7 +9,7 @@ import sys
 import torch
 from torch import nn
 
-from partitioner.chain import time_as_a_stage
+from partitioner.chain import ROUNDS, time_as_a_stage
 from partitioner.companion import CompanionError, companion_devices, contention
 from partitioner.layermem import check_microbatch_fits, loss_bytes, sandbox_copy
 from partitioner.layertime import profile_layer
@@ -43,7 +43,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
                   dtype: str | None = None, warmup: int = 2, repeats: int = 5, seed: int = 0,
                   optimizer: str | None = "adam", threads: int | None = None,
                   warnings: list[str] | None = None, timing: str | None = None, gemm: bool | None = None,
-                  ranks_per_host: int = 1) -> Profile:
+                  ranks_per_host: int = 1, rounds: int | None = None) -> Profile:
     """Profile every layer of `spec` on one real microbatch of its dataset, in order (in-process API); then
     the loss on the last layer's output and a step of `optimizer` per parameter byte (None: not timed).
 
@@ -68,6 +68,9 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     chain is timed a second time with each nn.Linear adding its weight gradient inside the GEMM, into the layers'
     *_gemm_ms fields, so that pipeflow-plan can choose the faster (partitioner/accumulation.py).
 
+    `rounds` (None: chain.ROUNDS of the device, 5 on CUDA, 1 on CPU): --timing stage times the chain that many
+    times, half a second apart, and keeps the fastest (a host whose pace moves from second to second).
+
     `ranks_per_host` > 1: after the rest, timed alone, the model's forward and backward passes are timed alone and
     beside that many - 1 companion processes (on CUDA, one on each next GPU) running the model, as a host's other
     ranks do; the ratio is the profile's `contention` (partitioner/companion.py)."""
@@ -79,6 +82,9 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
         raise ProfileError(f"--timing must be one of {', '.join(TIMINGS)}, found {timing!r}")
     if warmup < 0 or repeats < 1:
         raise ProfileError(f"need --warmup >= 0 and --repeats >= 1, found {warmup} and {repeats}")
+    rounds = ROUNDS[dev.type] if rounds is None else rounds
+    if rounds < 1:
+        raise ProfileError(f"--rounds must be >= 1, found {rounds}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ProfileError("--device cuda, but torch sees no CUDA device; use --device cpu")
     if timing == "kernels" and dev.type != "cuda":
@@ -123,13 +129,14 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
         chain = None
         if timing == "stage":  # the loss as the last stage pays it, after its layers, over time_loss's alone
             chain, in_chain = time_as_a_stage(spec, layers, first, dev, torch_dtype, warmup=warmup, repeats=repeats,
-                                              fuse=fuse, target=target)
+                                              fuse=fuse, target=target, rounds=rounds)
             loss_ms = loss_ms if in_chain is None else in_chain
         linears = any(splittable(m) for layer in spec.layers for m in layer.modules())  # else gemm changes nothing
         if chain is not None and linears and "PIPEFLOW_GRAD_ACCUM" not in os.environ and (
                 gemm if gemm is not None else dev.type == "cuda"):  # the knob set: the ranks accumulate its way
             twin = [dict(s) for s in layers]
-            time_as_a_stage(spec, twin, first, dev, torch_dtype, warmup=warmup, repeats=repeats, fuse=True)
+            time_as_a_stage(spec, twin, first, dev, torch_dtype, warmup=warmup, repeats=repeats, fuse=True,
+                            rounds=rounds)
             for s, t in zip(layers, twin):
                 s.update({f"{k.removesuffix('_ms')}_gemm_ms": t[k]
                           for k in ("forward_ms", "backward_ms", "backward_accumulate_ms")})
@@ -171,6 +178,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cast the layers to this dtype (default: the dtype the model's builder gave it)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=None,
+                   help="--timing stage: time the layers' chain this many times, 0.5 s apart, and keep the fastest "
+                        "(default: 5 on cuda, where the host's pace may move from second to second; 1 on cpu)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="adam",
                    help="the optimizer whose step is timed (optimizer_ms_per_byte)")
@@ -232,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         prof, *others = [profile_model(spec, b, args.device, dtype=args.dtype, warmup=args.warmup,
                                        repeats=args.repeats, seed=args.seed, optimizer=args.optimizer,
                                        threads=threads, warnings=warnings, timing=args.timing,
-                                       ranks_per_host=args.ranks_per_host) for b in sizes]
+                                       ranks_per_host=args.ranks_per_host, rounds=args.rounds) for b in sizes]
         prof.others = others
         prof.save(args.output)
     except (ModelError, ProfileError, OSError) as e:

@@ -222,3 +222,45 @@ def test_stage_timing_prices_the_loss_inside_the_chain(monkeypatch: pytest.Monke
     staged = profiler.profile_model(spec, 2, warmup=1, repeats=1, optimizer=None, timing="stage")
     assert staged.loss_ms is not None and 15.0 <= staged.loss_ms < 15.0 + SLACK_MS
     assert profiler.profile_model(spec, 2, warmup=1, repeats=1, optimizer=None, timing="idle").loss_ms == 999.0
+
+
+PACE = {"extra_ms": 0.0}  # what a slow host adds to each forward of PacedLayer (class-wide: profiling copies layers)
+
+
+class PacedLayer(SleepLayer):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(PACE["extra_ms"] / 1e3)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_the_fastest_of_several_rounds_is_kept(monkeypatch: pytest.MonkeyPatch, rounds: int) -> None:
+    """A host whose pace moves between rounds (2 x H200: 2x from second to second): --rounds R times the chain R
+    times and keeps the round whose passes took least, every layer's numbers from it, its loss too."""
+    real, paces, started = chain.time_chain, [20.0, 0.0, 20.0], []
+
+    def paced(*args: Any, **kwargs: Any) -> Any:
+        PACE["extra_ms"] = paces[len(started)]
+        started.append(time.monotonic())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(chain, "time_chain", paced)
+    monkeypatch.setattr(chain, "ROUND_GAP_S", 0.05)
+    data = TensorDataset(torch.randn(16, 4), torch.zeros(16))
+    spec = ModelSpec([PacedLayer(1.0, 1.0), PacedLayer(1.0, 1.0)], slow_loss(2.0, 2.0), data, name="paced")
+    try:
+        prof = profiler.profile_model(spec, 2, warmup=1, repeats=1, optimizer=None, timing="stage", rounds=rounds)
+    finally:
+        PACE["extra_ms"] = 0.0
+    assert len(started) == rounds and all(b - a >= 0.05 for a, b in zip(started, started[1:]))
+    slow = rounds == 1  # one round: the slow host's pace, as before
+    for lay in prof.layers:
+        assert (lay.forward_ms >= 21.0) == slow and lay.forward_ms < 1.0 + 20.0 * slow + SLACK_MS, lay
+    assert prof.loss_ms is not None and 4.0 <= prof.loss_ms < 4.0 + SLACK_MS
+
+
+def test_rounds_default_by_device_and_are_checked() -> None:
+    assert chain.ROUNDS == {"cuda": 5, "cpu": 1}
+    with pytest.raises(ProfileError, match=r"^--rounds must be >= 1, found 0$"):
+        profiler.profile_model(_spec([SleepLayer(0.0, 0.0)]), 2, warmup=0, repeats=1, optimizer=None,
+                               timing="stage", rounds=0)
