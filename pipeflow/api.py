@@ -75,7 +75,9 @@ class Pipeline:
     makes a rank's optimizer from its parameters. `warmup`: 1f1b's forwards before the first backward per
     stage (None: the schedule's minimum). The keyword arguments after `vertical_sync` are pipeflow-train's
     (its world, data, monitor, non-finite guard and segments); `shard_optimizer`: a replicated stage's optimizer
-    state split over its replicas, each updating its share and sending it to the others (pipeflow/shard.py).
+    state split over its replicas, each updating its share and sending it to the others (pipeflow/shard.py);
+    `clip_grad_norm`: before each update, the gradients scaled as torch.nn.utils.clip_grad_norm_(model.parameters(),
+    clip_grad_norm) scales them in one process, the norm taken over every stage (pipeflow/clip.py; not under async).
     """
 
     def __init__(self, layers: Sequence[nn.Module], loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], *,
@@ -84,8 +86,10 @@ class Pipeline:
                  seed: int = 0, timeout: float = 300.0, warmup: list[int] | None = None,
                  vertical_sync: bool = False, world: Any = None, data: Feed | None = None,
                  timer: Timing | None = None, step_gate: GateFactory | None = None, total_steps: int = 1,
-                 segment_steps: int | None = None, shard_optimizer: bool = False) -> None:
+                 segment_steps: int | None = None, shard_optimizer: bool = False,
+                 clip_grad_norm: float | None = None) -> None:
         from pipeflow.comm import init_world
+        from pipeflow.config import check_clip_grad_norm
         from pipeflow.engine import Engine
         from pipeflow.planning import check_ties, replicated_statistics
 
@@ -94,6 +98,7 @@ class Pipeline:
         spec = ModelSpec(list(layers), loss_fn, dataset=[])  # type: ignore[arg-type]  # data come by step()
         self.world = world if world is not None else init_world(device=device, timeout_s=timeout)
         self.plan = _resolve_plan(plan, len(spec.layers), self.world.size, schedule, microbatches)
+        check_clip_grad_norm(clip_grad_norm, self.plan.schedule, flag="Pipeline: clip_grad_norm", what="schedule")
         check_ties(spec, self.plan)
         note = replicated_statistics(spec, self.plan)
         if note and self.world.rank == 0:
@@ -105,7 +110,7 @@ class Pipeline:
         self.engine = Engine(self.world, self.plan, spec, schedule=self.plan.schedule, optimizer_factory=optimizer,
                              loader=loader, dtype=dtype, total_steps=total_steps, timer=timer,
                              vertical_sync=vertical_sync, warmup=warmup, segment_steps=segment_steps, seed=seed,
-                             step_gate=step_gate, shard_optimizer=shard_optimizer)
+                             step_gate=step_gate, shard_optimizer=shard_optimizer, clip_norm=clip_grad_norm)
         self.step_count = 0  # minibatches trained: the next step's data index (a resumed run sets it)
         self.unread = 0      # minibatches whose losses take_loss has not read yet
 

@@ -112,6 +112,11 @@ def all_reduce(tensor: torch.Tensor, group: Any, *, async_op: bool = False) -> A
     return dist.all_reduce(tensor, group=group, async_op=async_op)
 
 
+def all_gather(out: torch.Tensor, tensor: torch.Tensor) -> Any:
+    """Every rank's `tensor` into `out`, in rank order, over the whole world, launched: the work to wait on."""
+    return dist.all_gather_single(out, tensor, async_op=True)
+
+
 def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Any) -> list[Any]:
     """(tensor, global rank) pairs sent and received over `group` as one batch: under NCCL one group call, every
     direction at once (shard.py); per peer in the order listed. The works to wait on."""

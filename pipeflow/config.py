@@ -48,6 +48,24 @@ def check_optimizer(args: Any) -> None:
     _finite_nonnegative("--weight-decay", args.weight_decay)
 
 
+def check_clip_grad_norm(value: float | None, schedule: str | None, *, flag: str = "--clip-grad-norm",
+                         what: str = "--schedule") -> None:
+    """Clipping by the global gradient norm (clip.py): MAX a finite number > 0, and a schedule with one update per
+    minibatch on every stage. async's stages update after each of their microbatches, each at its own time: a norm
+    over the stages per update would make every stage wait for the others, stalling the pipeline."""
+    if value is None:
+        return
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{flag} must be a finite number > 0 (the most the gradients' global L2 norm may be), "
+                          f"found {value}")
+    if schedule is not None and schedule_kind(schedule).step_per_backward:
+        use = "--schedule 2bw" if flag.startswith("--") else "schedule='2bw'"
+        raise ConfigError(f"{flag} needs one gradient norm over all stages per update, which {what} {schedule} does "
+                          "not have: each stage updates after each of its microbatches, at its own time, and a norm "
+                          f"over the stages would stall the pipeline; use {use} (asynchronous, one update per "
+                          "minibatch) or a flush schedule such as 1f1b")
+
+
 def check_device(device: str) -> None:
     if device == "cuda":
         import torch
@@ -129,6 +147,7 @@ class TrainConfig:
     trace: str | None = None
     vertical_sync: bool = False
     shard_optimizer: bool = False
+    clip_grad_norm: float | None = None
     layers_per_stage: str | None = None
     straight: bool = False
     topology: str | None = None
@@ -142,6 +161,7 @@ class TrainConfig:
         from pipeflow.kinds import SCHEDULES
 
         check_optimizer(self)
+        check_clip_grad_norm(self.clip_grad_norm, self.schedule if self.schedule in SCHEDULES else None)
         if not math.isfinite(self.timeout):
             raise ConfigError(f"--timeout must be a finite number of seconds > 0, found {self.timeout}")
         if self.max_skips < 0:
@@ -202,6 +222,7 @@ def check_plan(plan: Any, args: TrainConfig, schedules: tuple[str, ...]) -> int:
     if plan.schedule not in schedules:
         raise ConfigError(f"the plan's schedule {plan.schedule!r} is unknown: expected one of {', '.join(schedules)}"
                           " (edit the plan or pass --schedule)")
+    check_clip_grad_norm(args.clip_grad_norm, plan.schedule, what="the plan's schedule")
     if schedule_kind(plan.schedule).flush:
         check_schedule_size(plan.microbatches, "the plan's microbatches" if args.microbatches is None
                             else "--microbatches")

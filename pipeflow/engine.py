@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from partitioner.plan import Plan
+from pipeflow.clip import grad_clip
 from pipeflow.comm import P2P, World, all_reduce
 from pipeflow.hooks import Feed, GateFactory, StepGate, Timer, Timing, WeightHooks, WeightPolicy
 from pipeflow.kinds import Weights, schedule_kind
@@ -35,7 +36,8 @@ class Engine:
                  loader: Feed, dtype: torch.dtype | None = None, total_steps: int = 1,
                  timer: Timing | None = None, vertical_sync: bool = False,
                  warmup: list[int] | None = None, segment_steps: int | None = None, seed: int = 0,
-                 step_gate: GateFactory | None = None, shard_optimizer: bool = False) -> None:
+                 step_gate: GateFactory | None = None, shard_optimizer: bool = False,
+                 clip_norm: float | None = None) -> None:
         # No reference to spec (its layer list) is kept: only this rank's layers stay alive (issue 10).
         self.world, self.plan, self.loader = world, plan, loader
         self.kind = schedule_kind(schedule)  # the schedule's rules (kinds.py)
@@ -53,10 +55,7 @@ class Engine:
         linears = sum(len(c.linear_backward(split=self.kind.split_backward, fuse=fuse)) for c in self.stages.values())
         for line in linear_notes(linears, split=self.kind.split_backward, fuse=fuse):
             log.info("%s: %s", schedule, line)
-        live: dict[int, torch.nn.Parameter] = {}
-        for c in self.stages.values():
-            live.update((id(p), p) for p in c.parameters())
-        self._parameters = list(live.values())  # once: read at every update; the objects never change
+        self._parameters = list({id(p): p for c in self.stages.values() for p in c.parameters()}.values())  # fixed
         self.flush, self.vertical_sync = self.kind.flush, vertical_sync
         self.warmup = warmup if warmup is not None else plan.warmup  # None: the plan's (else the minimum)
         self._scheds: dict[int, Schedule] = {}  # flush: one step's list, repeated; asynchronous: a segment's
@@ -80,11 +79,13 @@ class Engine:
         if self.kind.weights is not Weights.LIVE:
             self._new_policy()
         last, deferred = self.s == self.S - 1, isinstance(self.policy, LiveWeights)  # deferred: 2bw's last stage
-        late = deferred and reduce_late() and self.kind.reduce_waits_a_step(last, self.shard is not None)
+        late = (deferred and clip_norm is None and reduce_late()  # clip.py: the norm of a final gradient
+                and self.kind.reduce_waits_a_step(last, self.shard is not None))
         self.tie_reducers, self.reducers = make_reducers(self.stages, self.ties, links, st.ranks, self.kind,
                                                          self.p2p, late)
+        clip = grad_clip(clip_norm, self._parameters, self.ties, self.stages, st.replicas, self.r, world, self.kind)
         self.update = Update(self.optimizer, self.parameters(), self.shard, [*self.reducers.values(),
-                             *self.tie_reducers], deferred=deferred, late=late,
+                             *self.tie_reducers], deferred=deferred, late=late, clip=clip,
                              broadcast_overlaps=self.kind.broadcast_overlaps(last))
         self.microbatches_per_step = self.kind.microbatches_per_update(self.m, st.replicas)  # one STEP's, replicas
         self.losses: list[torch.Tensor] = []
@@ -112,7 +113,7 @@ class Engine:
     def _new_policy(self) -> None:
         self.policy = segment_policy(self.stage.module, self.sched, self.worker, self.s, minibatch=self.m,
                                      vertical_sync=self.vertical_sync, previous=self.policy,
-                                     settle=self.shard.finish if self.shard else None)  # a deferred broadcast
+                                     settle=lambda: self.update.settle())  # a broadcast, a clipped update
 
     def begin_segment(self, first_step: int, steps: int) -> None:
         """Asynchronous schedules: the next `run(self.actions)` trains minibatches [first_step,

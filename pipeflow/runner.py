@@ -82,7 +82,8 @@ def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Control, watchdog:
                     warmup=resolve_warmup(args.warmup, plan), dtype=DTYPES[args.dtype] if args.dtype else None,
                     seed=args.seed, vertical_sync=args.vertical_sync, world=world, data=loader, timer=monitor.timer,
                     step_gate=step_guard(args, comm, signals), total_steps=args.steps,
-                    segment_steps=args.segment_steps, shard_optimizer=args.shard_optimizer)
+                    segment_steps=args.segment_steps, shard_optimizer=args.shard_optimizer,
+                    clip_grad_norm=args.clip_grad_norm)
     engine = pipe.engine
     ce = engine.p2p.ce
     if ce is not None and watchdog is not None:  # transfers on the copy engines time out through the watchdog

@@ -98,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replicated stages: each replica keeps the optimizer state of, and updates, its share of the "
                         "stage's parameters, then sends them to the others (ZeRO stage 1); the same weights, 1/r of "
                         "the optimizer state per replica")
+    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
+                   help="before each optimizer step, scale the gradients so that their global L2 norm (over every "
+                        "stage, after the replicas' sum) is at most MAX, as torch.nn.utils.clip_grad_norm_ in one "
+                        "process: DeepSpeed's gradient_clipping; one small all-gather per step; not with --schedule "
+                        "async (its stages update at different times)")
     p.add_argument("--layers-per-stage", default=None,
                    help="with no --plan: 'even', or comma-separated layer counts per stage (e.g. 8,6,6,6), instead "
                         "of profiling and planning on the spot")

@@ -19,7 +19,15 @@ the reduced gradient and minibatch k's losses (`checking`), just before the upda
 
 The gate decides on each gradient when it is final (the gradient and that minibatch's losses, as without
 deferral); its outcome, and the device flag of a gate that arms the optimizer to skip on the device
-(hooks.arm_device_skip), travel with the held gradient to the update that applies it."""
+(hooks.arm_device_skip), travel with the held gradient to the update that applies it.
+
+Clipping by the global norm (clip.py, `clip`). The norm's all-gather is launched when the gradient is final, at the
+STEP ending its minibatch on every rank (so never with late reduction: the engine turns it off), and read by the
+update that applies it: at once under the flush schedules, a STEP later where deferred. 2bw's stages that run ahead
+(`postponed`) would wait there for the norm of stage 0, whose STEP comes last, stalling the pipeline; but their next
+minibatch runs on a copy of the weights (stash.py), so they hold g_k as a deferred update does and apply it when the
+live weights are next read (`settle`: the first forward of minibatch k + 2, or the next STEP, or the segment's end),
+by when the norm has long arrived. Nothing reads the weights in between: the same updates, in the same order."""
 from __future__ import annotations
 
 import logging
@@ -28,6 +36,7 @@ from typing import Any
 
 import torch
 
+from pipeflow.clip import GradClip, Norm
 from pipeflow.hooks import StepGate, arm_device_skip
 from pipeflow.reduce import GradReducer, Reduction
 from pipeflow.shard import ShardedUpdate
@@ -50,14 +59,18 @@ class Update:
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
                  shard: ShardedUpdate | None, reducers: list[GradReducer], *, deferred: bool, late: bool,
-                 broadcast_overlaps: bool) -> None:
+                 broadcast_overlaps: bool, clip: GradClip | None = None) -> None:
         self.optimizer, self.params, self.shard, self.reducers = optimizer, params, shard, reducers
         self.deferred, self.late = deferred, late and bool(reducers)  # late (the engine's rule): with replicas only
-        # The owners' new weights travel under the next minibatch only where it runs on a stashed version.
+        assert not (late and clip), "a clipped gradient must be final at its STEP: no late reduction"
+        # The owners' new weights travel under the next minibatch only where it runs on a stashed version; there a
+        # clipped update waits for the live weights' next reader instead (module docstring).
         self.overlap = broadcast_overlaps and not deferred
+        self.clip, self.postponed = clip, clip is not None and self.overlap
         updated = {id(p) for g in optimizer.param_groups for p in g["params"]}
         self.held_mask = [id(p) in updated for p in params]  # what a deferred update holds (the owned ones)
-        self.held: tuple[list[torch.Tensor | None], bool, Any] | None = None  # (gradients, gate's outcome, flag)
+        # (gradients, the gate's outcome, its device flag, their norm in flight)
+        self.held: tuple[list[torch.Tensor | None], bool, Any, Norm | None] | None = None
         self.launched: list[Reduction] = []  # late: this STEP's all-reduce (`reduce`)
         self.in_flight: tuple[list[Reduction], list[torch.Tensor]] | None = None  # late: g_k's all-reduce, losses
         self.checking: list[torch.Tensor] | None = None  # late: the losses the gate checks with the gradient
@@ -67,12 +80,22 @@ class Update:
 
     def reduce(self) -> None:
         """A STEP's first part: the replicas' all-reduce (chunk order, then ties) completed, or launched where late;
-        the last STEP's broadcast, when deferred, landed before the weights are used."""
+        a postponed update applied and the last STEP's deferred broadcast landed before the weights are used."""
         if self.late:
             self.launched = [r.launch() for r in self.reducers]
             return
         for r in self.reducers:
             r.finish()
+        self.settle()  # before the policy copies the live weights (Engine._step)
+
+    def settle(self) -> None:
+        """Before the live weights are read (stash.StashPolicy's forwards on or copies of them, a STEP): a postponed
+        update applied, the last broadcast landed."""
+        if self.postponed and self.held is not None:
+            fresh = [p.grad for p in self.params]  # the next minibatch's so far
+            self._restore()
+            for p, g in zip(self.params, fresh):
+                p.grad = g
         if self.shard is not None:
             self.shard.finish()
 
@@ -84,16 +107,17 @@ class Update:
             self._complete(gate)  # minibatch k - 1's, gated and applied now
             self.in_flight = (self.launched, list(losses))
             return
-        if not self.deferred:
-            self._apply(gate is None or gate(), overlap=self.overlap)
+        if not (self.deferred or self.postponed):
+            ok = gate is None or gate()
+            self._apply(ok, overlap=self.overlap, norm=self._launch())
             return
         fresh = [p.grad for p in self.params]
-        self._restore()  # minibatch k - 1's gradient, applied now
+        self._restore()  # minibatch k - 1's gradient, applied now (postponed: by `settle` already)
         for p, g in zip(self.params, fresh):
             p.grad = g
         ok = gate is None or gate()  # minibatch k's gradient and losses, decided now as without deferral
         self.held = ([g if keep else None for g, keep in zip(fresh, self.held_mask)], ok,
-                     getattr(self.optimizer, "found_inf", None))
+                     getattr(self.optimizer, "found_inf", None), self._launch())
         for p in self.params:  # held or dropped (a sharded stage's others): the next minibatch starts from none
             p.grad = None
 
@@ -125,15 +149,22 @@ class Update:
     def _restore(self) -> None:
         if self.held is None:
             return
-        grads, ok, flag = self.held
+        grads, ok, flag, norm = self.held
         self.held = None
         for p, g in zip(self.params, grads):
             p.grad = g
         if flag is not None:
             arm_device_skip(self.optimizer, flag)  # the flag the gate computed for this gradient
-        self._apply(ok, overlap=False)
+        self._apply(ok, overlap=False, norm=norm)
 
-    def _apply(self, ok: bool, *, overlap: bool) -> None:
+    def _launch(self) -> Norm | None:
+        """The global norm of the gradient the parameters hold now (final), launched; None without clipping."""
+        return self.clip.launch() if self.clip is not None else None
+
+    def _apply(self, ok: bool, *, overlap: bool, norm: Norm | None = None) -> None:
+        if self.clip is not None and norm is not None:  # scaled even when skipped: every rank waits for its norm
+            grads = [p.grad for p, keep in zip(self.params, self.held_mask) if keep and p.grad is not None]
+            ok = self.clip.scale(norm, grads, self.optimizer) and ok
         if ok:
             self.optimizer.step()
         if self.shard is not None:  # skipped or not, on every replica: the owners' weights to the others

@@ -38,9 +38,11 @@ def seed_of(seed: int, t: int, i: int) -> int:
 
 def reference_flush(model: str, model_args: dict[str, Any], *, steps: int, microbatches: int,
                     microbatch_size: int, optimizer: str = "sgd", lr: float = 0.05, momentum: float = 0.0,
-                    seed: int = 0, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+                    seed: int = 0, dtype: torch.dtype = torch.float64, clip: float | None = None,
+                    norms: list[float] | None = None) -> dict[str, torch.Tensor]:
     """gpipe / 1f1b semantics: per step, the mean of m microbatch losses, one optimizer step. Layer i runs
-    on global microbatch t after torch.manual_seed(seed_of(seed, t, i)) (dropout; Reproducibility)."""
+    on global microbatch t after torch.manual_seed(seed_of(seed, t, i)) (dropout; Reproducibility).
+    `clip`: torch.nn.utils.clip_grad_norm_(model.parameters(), clip) before each step, its norm appended to `norms`."""
     spec = build_model(model, model_args, seed=seed)
     net = nn.Sequential(*spec.layers).to(dtype)
     opt = make_optimizer(optimizer, net.parameters(), lr, momentum)
@@ -55,6 +57,10 @@ def reference_flush(model: str, model_args: dict[str, Any], *, steps: int, micro
                 torch.manual_seed(seed_of(seed, t, layer_index))
                 h = layer(h)
             (spec.loss_fn(h, y) / microbatches).backward()
+        if clip is not None:
+            norm = float(nn.utils.clip_grad_norm_(net.parameters(), clip))
+            if norms is not None:
+                norms.append(norm)
         opt.step()
     return {k: v.detach() for k, v in net.state_dict().items()}
 
@@ -87,7 +93,8 @@ def weight_versions(schedule: str, replicas: list[int], *, minibatch: int,
 def reference_delayed(model: str, model_args: dict[str, Any], *, schedule: str, stages: list[tuple[int, int]],
                       steps: int, microbatches: int, microbatch_size: int, optimizer: str = "sgd",
                       lr: float = 0.05, momentum: float = 0.0, vertical_sync: bool = False, seed: int = 0,
-                      dtype: torch.dtype = torch.float64, segment: int | None = None) -> dict[str, torch.Tensor]:
+                      dtype: torch.dtype = torch.float64, segment: int | None = None, clip: float | None = None,
+                      norms: list[float] | None = None) -> dict[str, torch.Tensor]:
     """async / 2bw semantics, one microbatch at a time: microbatch t runs forward and backward through
     every stage s with version v_s(t) of its weights; stage s's update u (u + 1 updates in all) takes
     the gradients of microbatches [u U_s, (u + 1) U_s) and is applied to its latest weights: for async
@@ -95,7 +102,10 @@ def reference_delayed(model: str, model_args: dict[str, Any], *, schedule: str, 
     their sum (loss scale 1/m: the minibatch mean).
     `stages` is [(layer count, replicas)]. `segment` (microbatches, a multiple of m): the run drains every
     `segment` microbatches (checkpoint boundaries, stash.py "Segments"): at each segment start the current
-    weights become version 0 and t counts from there."""
+    weights become version 0 and t counts from there.
+    `clip` (2bw, where every stage updates at once): each update's gradient, over all stages, clipped by
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip) before it is applied, its norm appended to `norms`."""
+    assert clip is None or schedule == "2bw", "async has no update of every stage at once to clip"
     spec = build_model(model, model_args, seed=seed)
     net = nn.Sequential(*spec.layers).to(dtype)
     bounds = [sum(c for c, _ in stages[:s]) for s in range(len(stages) + 1)]
@@ -123,15 +133,21 @@ def reference_delayed(model: str, model_args: dict[str, Any], *, schedule: str, 
             used.append(w)
             x = torch.func.functional_call(mod, w, (x,))
         (spec.loss_fn(x, y) * scale).backward()
-        for s, mod in enumerate(mods):
+        for s in range(len(mods)):
             for k, v in used[s].items():
                 g = v.grad if v.grad is not None else torch.zeros_like(v)
                 pending[s][k] = pending[s][k] + g if k in pending[s] else g
-            if (t + 1) % per_update[s] == 0:
-                for k, p in mod.named_parameters():
-                    p.grad = pending[s].pop(k) / (per_update[s] if schedule == "async" else 1)
-                if opts[s] is not None:
-                    opts[s].step()
-                    opts[s].zero_grad()
-                history[s].append({k: v.detach().clone() for k, v in mod.named_parameters()})
+        due = [s for s in range(len(mods)) if (t + 1) % per_update[s] == 0]
+        for s in due:
+            for k, p in mods[s].named_parameters():
+                p.grad = pending[s].pop(k) / (per_update[s] if schedule == "async" else 1)
+        if clip is not None and due:
+            norm = float(nn.utils.clip_grad_norm_(net.parameters(), clip))
+            if norms is not None:
+                norms.append(norm)
+        for s in due:
+            if opts[s] is not None:
+                opts[s].step()
+                opts[s].zero_grad()
+            history[s].append({k: v.detach().clone() for k, v in mods[s].named_parameters()})
     return {k: v.detach() for k, v in net.state_dict().items()}
