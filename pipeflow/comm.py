@@ -113,8 +113,12 @@ def all_reduce(tensor: torch.Tensor, group: Any, *, async_op: bool = False) -> A
 
 
 def all_gather(out: torch.Tensor, tensor: torch.Tensor) -> Any:
-    """Every rank's `tensor` into `out`, in rank order, over the whole world, launched: the work to wait on."""
-    return dist.all_gather_single(out, tensor, async_op=True)
+    """Every rank's 1-element `tensor` into `out`, in rank order, over the whole world, launched: the work to wait on.
+    An all-reduce of each rank's value at its own index and zeros elsewhere (x + 0 is x, exactly): every backend and
+    torch version has it (torch 2.11 has no all_gather_single)."""
+    out.zero_()
+    out[dist.get_rank()] = tensor[0]
+    return dist.all_reduce(out, async_op=True)
 
 
 def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Any) -> list[Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -220,3 +221,17 @@ def test_2bw_reads_each_norm_where_no_rank_waits_back(reps: tuple[int, ...], m: 
                 pos[w] += 1
                 progress = True
     assert all(p == len(acts) for p, acts in zip(pos, sched.actions)), sched.render({w: p for w, p in enumerate(pos)})
+
+
+def test_the_norms_gather_uses_only_what_every_torch_has(monkeypatch: pytest.MonkeyPatch, one_rank_group: Any) -> None:
+    """The GPU machines' torch 2.11 has no dist.all_gather_single: every clipped multi-rank run stopped there at
+    set-up (found on 2 x H200). comm.all_gather is an all-reduce of each rank's value at its own index."""
+    import torch.distributed as dist
+
+    from pipeflow.comm import all_gather
+
+    monkeypatch.delattr(dist, "all_gather_single", raising=False)
+    monkeypatch.delattr(dist, "all_gather_into_tensor", raising=False)
+    out = torch.full((1,), float("nan"), dtype=torch.float64)
+    all_gather(out, torch.tensor([2.5], dtype=torch.float64)).wait()
+    assert out.tolist() == [2.5]

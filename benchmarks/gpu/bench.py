@@ -28,6 +28,7 @@ Rows (';'-separated), every one at --sequences per optimizer step (default 64):
                                     through flat buckets only, as before the in-place all-reduce)
     ... env:NAME=VALUE              pf/big rows: the environment variable set for pipeflow-train (any number of them,
                                     e.g. env:PIPEFLOW_REDUCE_LATE=0 env:NCCL_MAX_NCHANNELS=2)
+    ... clip=MAX                    pf/big rows: pipeflow-train --clip-grad-norm MAX
     ... busy                        pf/big rows: profiled with pipeflow-profile --ranks-per-host N (how much a
                                     companion running the model on every other GPU slows the passes: contention)
     ... trace                       pf/big rows: pipeflow-train --trace, then per rank the ms per step in each
@@ -324,7 +325,7 @@ class Bench:
            mem_gib: float | None = None, sizes: str | None = None, trace: bool = False, cal: bool = False,
            timing: str = "default", warmup: str | None = None, straight: bool = False,
            p2p: str | None = None, accum: str | None = None, busy: bool = False, shard: bool = False,
-           flat: bool = False, env: dict[str, str] | None = None) -> None:
+           flat: bool = False, env: dict[str, str] | None = None, clip: str | None = None) -> None:
         """A pipeflow-train row. With `sizes` (a gb row) the profile holds those microbatch sizes and
         pipeflow-plan --global-batch picks b, m and the split; mb and m are then what it picked."""
         cfg = self.big if big else self.gpt
@@ -337,10 +338,11 @@ class Bench:
                + (f"-warmup{warmup.replace(',', '_')}" if warmup else "") + ("-straight" if straight else "")
                + (f"-{p2p}" if p2p else "") + (f"-accum{accum}" if accum else "") + ("-busy" if busy else "")
                + ("-shard" if shard else "") + ("-flat" if flat else "") + ("-trace" if trace else "")
-               + "".join(f"-{k}{v}" for k, v in (env or {}).items()))
+               + "".join(f"-{k}{v}" for k, v in (env or {}).items()) + (f"-clip{clip}" if clip else ""))
         name = (f"pipeflow {schedule}" + (" (large model)" if big else "")
-                + (f", {GRAINS[grain]} layers" if grain else ""))
-        flags = ["--schedule", schedule] + (["--warmup", warmup] if warmup else [])
+                + (f", {GRAINS[grain]} layers" if grain else "") + (f", clipped at {clip}" if clip else ""))
+        flags = (["--schedule", schedule] + (["--warmup", warmup] if warmup else [])
+                 + (["--clip-grad-norm", clip] if clip else []))
         predicted, calibrated, shown, path, prof = None, None, split, None, None
         if split != "spot":
             kind = ("big" if big else "gpt") + (f"-{grain}" if grain else "")
@@ -477,17 +479,18 @@ class Bench:
                     warm = [x[7:] for x in extra if x.startswith("warmup=")]
                     p2p = [x[4:] for x in extra if x.startswith("p2p=")]
                     accum = [x[6:] for x in extra if x.startswith("accum=")]
+                    clip = [x[5:] for x in extra if x.startswith("clip=")]
                     words = (*GRAINS, "trace", "cal", "straight", "shard", "busy", "flat", *TIMED,
                              *P2P_WORDS, *ACCUM_WORDS)
                     envs = dict(x[4:].split("=", 1) for x in extra if x.startswith("env:") and "=" in x[5:])
-                    bad = [x for x in extra if x not in words and not x.startswith(("mem=", "warmup="))
+                    bad = [x for x in extra if x not in words and not x.startswith(("mem=", "warmup=", "clip="))
                            and not (x.startswith("env:") and "=" in x[5:])]
                     if (bad or ((mem or {"straight", "shard"} & set(extra)) and w[4] != "plan")
                             or (w[4] == "spot" and {"cal", "busy", *TIMED} & set(extra))
                             or len(set(TIMED) & set(extra)) > 1 or len(set(GRAINS) & set(extra)) > 1
-                            or len(warm) > 1 or len(p2p) > 1 or len(accum) > 1):
+                            or len(warm) > 1 or len(p2p) > 1 or len(accum) > 1 or len(clip) > 1):
                         raise ValueError(f"after the split a {w[0]} row takes 'sub' or 'fine', 'trace', 'cal', "
-                                         f"'busy', 'flat', 'env:NAME=VALUE', one of "
+                                         f"'busy', 'flat', 'env:NAME=VALUE', 'clip=MAX', one of "
                                          f"{', '.join(TIMED)} (not with 'spot'), 'warmup=W', one of "
                                          f"{', '.join(P2P_WORDS)}, one of {', '.join(ACCUM_WORDS)} and, with "
                                          f"'plan', 'mem=GIB', 'straight' and 'shard'; found {' '.join(extra)!r}")
@@ -495,7 +498,8 @@ class Bench:
                             mem_gib=mem[0] if mem else None, trace="trace" in extra, cal="cal" in extra,
                             timing=_timing(extra), warmup=warm[0] if warm else None, straight="straight" in extra,
                             shard="shard" in extra, flat="flat" in extra, env=envs,
-                            p2p=p2p[0] if p2p else None, accum=accum[0] if accum else None, busy="busy" in extra)
+                            p2p=p2p[0] if p2p else None, accum=accum[0] if accum else None, busy="busy" in extra,
+                            clip=clip[0] if clip else None)
                 elif w[0] == "gb":
                     extra = w[3:]
                     mem = [float(x[4:]) for x in extra if x.startswith("mem=")]
