@@ -155,6 +155,14 @@ class Pipeline:
         self.step_count = first + steps
         self.unread += steps
 
+    def grad_norm(self) -> float | None:
+        """With clip_grad_norm: the global L2 norm of the last clipped gradient before clipping (what
+        torch.nn.utils.clip_grad_norm_ returns), the same on every rank; None without it or before the first update.
+        It reads the device: call it at reports, not every step. 2bw's last stage applies each gradient a STEP late:
+        its norm is then the previous minibatch's."""
+        clip = self.engine.update.clip
+        return None if clip is None or clip.last_norm is None else float(clip.last_norm)
+
     def take_loss(self, minibatches: int | None = None) -> float | None:
         """The mean loss of the microbatches run since the last read (`minibatches` of them: default, all
         since then), on the rank that owns the loss; None elsewhere. Collective over the last stage's replicas."""

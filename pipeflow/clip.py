@@ -87,6 +87,7 @@ class GradClip:
                  agreed: bool) -> None:
         self.max_norm, self.counted, self.device, self.size = max_norm, counted, device, world_size
         self.agreed = agreed  # the ranks agree at every STEP whether to apply it (guard.StepGuard, flush schedules)
+        self.last_norm: torch.Tensor | None = None  # the last scaled gradient's norm, on the device: read at reports
         if world_size > 1:
             # NCCL makes a group's communicator at its first collective, the host waiting for every rank: at set-up,
             # where they all are, rather than at a first STEP that 2bw's stages reach at different times.
@@ -107,6 +108,7 @@ class GradClip:
         if norm.work is not None:
             norm.work.wait()  # on a GPU the stream waits, not the host
         total = norm.shares.sum().sqrt()
+        self.last_norm = total
         scale_(grads, (self.max_norm / (total + EPS)).clamp(max=1.0))
         bad = ~total.isfinite()
         found = getattr(optimizer, "found_inf", None)

@@ -74,9 +74,11 @@ class Monitor:
         if isinstance(self.timer, SpanTimer):
             self.timer.end_step(step)
 
-    def report(self, step: int, loss: float | None, *, lr: float | None = None) -> None:
-        """At a loss report (1-based `step`): progress, and with --tensorboard the window's scalars."""
-        rate = self.progress.update(step, loss) if self.progress is not None else 0.0
+    def report(self, step: int, loss: float | None, *, lr: float | None = None,
+               grad_norm: float | None = None) -> None:
+        """At a loss report (1-based `step`): progress, and with --tensorboard the window's scalars; `grad_norm`:
+        --clip-grad-norm's last norm (on the loss's owner)."""
+        rate = self.progress.update(step, loss, grad_norm) if self.progress is not None else 0.0
         if not isinstance(self.timer, SpanTimer):
             return
         spans, steps = self.timer.resolve(wait=False)  # the steps the device has finished: no sync
@@ -99,6 +101,8 @@ class Monitor:
             scalars["loss/train"] = loss
         if lr is not None:
             scalars["lr"] = lr
+        if grad_norm is not None and math.isfinite(grad_norm):
+            scalars["grad/norm"] = grad_norm
         if rate > 0:
             scalars["time/step_ms"] = 1e3 * self.samples_per_step / rate
         bubbles = [r["pipeline/bubble_fraction"] for r in stages if "pipeline/bubble_fraction" in r]

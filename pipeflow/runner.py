@@ -113,7 +113,8 @@ def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Control, watchdog:
             last_reported = step
             if first_report is None:
                 first_report = (step, time.perf_counter())
-            monitor.report(step, loss, lr=pipe.optimizer.param_groups[0]["lr"])
+            monitor.report(step, loss, lr=pipe.optimizer.param_groups[0]["lr"],
+                           grad_norm=pipe.grad_norm() if engine.owns_loss else None)
         supervisor.after_step(step)
 
     monitor.start(start)

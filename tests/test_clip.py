@@ -52,7 +52,7 @@ def clipped(d: Path, name: str) -> Case:
     return Case(np_, ["--model", model, "--model-args", json.dumps(MODELS[model]), *split, "--steps", str(STEPS),
                       "--microbatch-size", str(B), "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9",
                       "--dtype", "float64", "--device", "cpu", "--clip-grad-norm", str(MAX), *extra,
-                      "--save", str(d / "model.pt")])
+                      "--log-every", "1", "--tensorboard", str(d / "tb"), "--save", str(d / "model.pt")])
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -73,6 +73,16 @@ def test_clipped_pipeline_equals_single_process_clipping(mpi: MpiRun, name: str)
     assert list(got) == list(want)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-11, msg=f"{name}: {k}")
+    # Each report shows the norm before clipping, as clip_grad_norm_ returns it; 2bw's last stage, which applies each
+    # gradient a STEP late, the previous minibatch's from the second report on.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(mpi.dir / "tb"), size_guidance={"scalars": 0})
+    board.Reload()
+    shown = [(e.step, e.value) for e in board.Scalars("grad/norm")]
+    first, want_norms = (2, norms[:-1]) if schedule == "2bw" else (1, norms)
+    assert [k for k, _ in shown] == list(range(first, STEPS + 1)), shown
+    assert [v for _, v in shown] == pytest.approx(want_norms, rel=1e-6), (shown, norms)
 
 
 ASYNC_LINE = ("pipeflow-train: error: --clip-grad-norm needs one gradient norm over all stages per update, which "

@@ -79,6 +79,12 @@ def test_progress_draws_a_live_bar_on_a_terminal():
     assert "samples/s" in text and "k tok/s" in text and text.endswith("\n")
 
 
+def test_progress_shows_the_clipped_gradients_norm():
+    out = _Terminal()
+    Progress(4, samples_per_step=8, stream=out).update(1, 3.25, 1.23456)
+    assert out.getvalue().startswith("\r[######..................] 1/4 | loss 3.2500  grad norm 1.235 | ")
+
+
 # ---------------------------------------------------------------- a real run
 
 
