@@ -45,9 +45,8 @@ def profile_layer(layer: nn.Module, x: Any, *, device: torch.device, dtype: torc
     x = prepare_input(x, device, dtype)
     with torch.no_grad():
         out = layer(x)
-    outs = list(tensors(out))
-    try:
-        sendable(out)  # what a stage can send (pipeflow/structure.py), refused here before any plan is made
+    try:  # what a stage sends (pipeflow/structure.py: a tensor returned twice, once), refused before any plan is made
+        outs, _ = sendable(out)
     except OutputError as e:
         raise ProfileError(f"layer {type(layer).__name__}: {e}") from None
     if not outs:

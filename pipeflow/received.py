@@ -27,7 +27,14 @@ class _Alias(torch.autograd.Function):
 
 def received(x: Any) -> Any:
     """`x` (a tensor, or tuples, lists and dicts of them: structure.py) with each tensor that requires grad replaced
-    by its alias."""
+    by its alias; one tensor found in several places by one alias (a layer that returned (h, h): an in-place change
+    through one is then recorded for both, as in one process)."""
+    made: dict[int, torch.Tensor] = {}
+
     def alias(t: Any) -> Any:
-        return _Alias.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t
+        if not (isinstance(t, torch.Tensor) and t.requires_grad):
+            return t
+        if id(t) not in made:
+            made[id(t)] = _Alias.apply(t)
+        return made[id(t)]
     return alias(x) if isinstance(x, torch.Tensor) else tree_map(alias, x)

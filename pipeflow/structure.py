@@ -3,7 +3,9 @@ and lists, dicts, None and other constants among the tensors (an attention layer
 (hidden, (key, value)), a dict of named tensors). The tensors travel every microbatch; the structure around them (a
 torch.utils._pytree spec, as text, and the constants) travels once per input signature with their shapes (comm.P2P's
 meta), and the receiving stage's first layer gets the same structure back, as in one process. A flat named tuple of
-tensors arrives as a plain tuple, as before; a nested one is refused (torch cannot write its spec as text)."""
+tensors arrives as a plain tuple, as before; a nested one is refused (torch cannot write its spec as text). One tensor
+returned twice, (h, h), travels once and arrives as one tensor in both places, as in one process (an in-place change
+to one is seen in the other; their gradients add up in one buffer)."""
 from __future__ import annotations
 
 from typing import Any
@@ -14,8 +16,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, tr
 from pipeflow.failure import UsageError
 
 CONSTANTS = (type(None), bool, int, float, str)
-# (spec as text, per leaf None where a tensor goes, else (the constant,)); None: a tensor, or a flat tuple of them
-Tree = tuple[str, tuple[tuple[Any, ...] | None, ...]] | None
+# (spec as text, per leaf: None where the next tensor sent goes, k where the k-th sent goes again, else (the
+# constant,)); None: a tensor, or a flat tuple of distinct tensors
+Tree = tuple[str, tuple[tuple[Any, ...] | int | None, ...]] | None
 
 
 class OutputError(UsageError):
@@ -33,14 +36,26 @@ def split(out: Any) -> tuple[list[torch.Tensor], Tree]:
             raise OutputError(f"a stage's output may hold tensors and None, bool, int, float or str in tuples, lists "
                               f"and dicts; found {type(leaf).__name__}")
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    if isinstance(out, tuple) and len(out) > 1 and all(isinstance(v, torch.Tensor) for v in out):
+    unique = list({id(t): t for t in tensors}.values())  # in order of first appearance
+    if len(unique) == len(tensors) and isinstance(out, tuple) and len(out) > 1 and all(
+            isinstance(v, torch.Tensor) for v in out):
         return tensors, None
     try:
         text = treespec_dumps(spec)
     except NotImplementedError:
         raise OutputError(f"a stage's output holds a {type(out).__name__} around other containers, whose structure "
                           f"cannot be sent to the next stage; expected tuples, lists and dicts") from None
-    return tensors, (text, tuple(None if isinstance(leaf, torch.Tensor) else (leaf,) for leaf in leaves))
+    sent: dict[int, int] = {}  # id -> its index among the tensors sent
+    marks: list[tuple[Any, ...] | int | None] = []
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            marks.append((leaf,))
+        elif id(leaf) in sent:
+            marks.append(sent[id(leaf)])
+        else:
+            sent[id(leaf)] = len(sent)
+            marks.append(None)
+    return unique, (text, tuple(marks))
 
 
 def join(tensors: list[torch.Tensor], tree: Tree) -> Any:
@@ -48,5 +63,11 @@ def join(tensors: list[torch.Tensor], tree: Tree) -> Any:
     if tree is None:
         return tensors[0] if len(tensors) == 1 else tuple(tensors)
     text, marks = tree
-    given = iter(tensors)
-    return tree_unflatten([next(given) if mark is None else mark[0] for mark in marks], treespec_loads(text))
+    given, got, leaves = iter(tensors), [], []
+    for mark in marks:
+        if mark is None:
+            got.append(next(given))
+            leaves.append(got[-1])
+        else:
+            leaves.append(got[mark] if isinstance(mark, int) else mark[0])
+    return tree_unflatten(leaves, treespec_loads(text))

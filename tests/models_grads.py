@@ -226,3 +226,34 @@ def unsendable(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 
     """Layers: one returning a set beside its tensor (fine in one process, not between stages), output."""
     layers: list[nn.Module] = [Tagged(d_in, hidden), Untag(hidden, classes)]
     return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
+
+
+class SameTwice(nn.Module):
+    """Returns one tensor twice, (h, h), as a block may return its output as both the hidden state and the skip."""
+
+    def __init__(self, d_in: int, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_in, hidden)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        return h, h
+
+
+class AddInPlace(nn.Module):
+    """Changes the first of its pair in place: in one process the second, the same tensor, changes with it."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+
+    def forward(self, t: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        a, b = t
+        a.mul_(2.0)
+        return torch.tanh(self.fc(a + b))
+
+
+def returned_twice(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
+    """Layers: (h, h), the pair's first changed in place, output."""
+    layers: list[nn.Module] = [SameTwice(d_in, hidden), AddInPlace(hidden), Out(hidden, classes)]
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))

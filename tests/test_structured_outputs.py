@@ -51,3 +51,17 @@ def test_an_output_no_stage_can_send_on_a_split_by_hand_stops_in_one_line() -> N
         "pipeflow-train: error: [rank 0] layer 0 (Tagged), the last of its stage: a stage's output may hold tensors "
         "and None, bool, int, float or str in tuples, lists and dicts; found set"], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def twice_runs(d: Path) -> Case:
+    return train(d, "tests.models_grads:returned_twice", SMALL, [(1, 1), (2, 1)], schedule="1f1b", m=4, steps=3,
+                 extra=OPT)
+
+
+@batched(twice_runs)
+def test_a_tensor_returned_twice_arrives_as_one_as_in_one_process(mpi: MpiRun) -> None:
+    """Layer 0 returns (h, h); the next stage's layer doubles the first in place, and in one process the second with
+    it. Before, the two arrived as two buffers: the second stayed as it was and the run trained other weights."""
+    want = reference("tests.models_grads:returned_twice", SMALL, steps=3, microbatches=4, optimizer="adamw", lr=0.01,
+                     weight_decay=0.01)
+    assert_same(saved(mpi), want)

@@ -52,6 +52,23 @@ def test_a_stage_output_is_sent_depth_first_and_rebuilt_as_it_was() -> None:
         split((a, {1}))
 
 
+def test_one_tensor_returned_twice_travels_once_and_arrives_as_one() -> None:
+    """(h, h): before, two buffers arrived, and an in-place change to one was not seen in the other."""
+    a, b = torch.zeros(2), torch.ones(2)
+    for given, sent in [((a, a), [a]), ((a, b, a), [a, b]), ({"h": a, "skip": (b, a), "n": 3}, [a, b]),
+                        ([b, a, b, None], [b, a])]:
+        tensors, tree = split(given)
+        assert len(tensors) == len(sent) and all(x is y for x, y in zip(tensors, sent)), given
+        copies = [t.clone() for t in tensors]  # as received: new buffers
+        again = join(copies, pickle.loads(pickle.dumps(tree)))
+        assert repr(again) == repr(given) and type(again) is type(given), given
+        leaves = [x for x in torch.utils._pytree.tree_leaves(again) if isinstance(x, torch.Tensor)]
+        assert {id(x) for x in leaves} == {id(c) for c in copies}, given  # each sent tensor, wherever it was
+    pair = join([torch.zeros(2)], split((a, a))[1])
+    pair[0].add_(1.0)
+    assert pair[1].tolist() == [1.0, 1.0]
+
+
 def test_first_stage_input_lists_become_tuples_and_non_tensors_pass() -> None:
     x, y = torch.ones(2, dtype=torch.float64), torch.arange(3)
     marker = {"k": torch.zeros(1)}
