@@ -113,9 +113,8 @@ def all_reduce(tensor: torch.Tensor, group: Any, *, async_op: bool = False) -> A
 
 
 def all_gather(out: torch.Tensor, tensor: torch.Tensor) -> Any:
-    """Every rank's 1-element `tensor` into `out`, in rank order, over the whole world, launched: the work to wait on.
-    An all-reduce of each rank's value at its own index and zeros elsewhere (x + 0 is x, exactly): every backend and
-    torch version has it (torch 2.11 has no all_gather_single)."""
+    """Every rank's 1-element `tensor` into `out` in rank order, launched: an all-reduce of each value at its rank's
+    index, zeros elsewhere (exact; torch 2.11 has no all_gather_single). Returns the work to wait on."""
     out.zero_()
     out[dist.get_rank()] = tensor[0]
     return dist.all_reduce(out, async_op=True)
