@@ -260,11 +260,11 @@ def dependencies(sched: Schedule) -> list[list[list[tuple[int, int]]]]:
     return deps
 
 
-def dry_run(sched: Schedule) -> list[tuple[int, int]]:
+def dry_run(sched: Schedule, deps: list[list[list[tuple[int, int]]]] | None = None) -> list[tuple[int, int]]:
     """Play all workers' lists against each other with non-blocking sends and receives that complete
-    when the matching send was posted. Returns the global order of (worker, index) executed; raises
-    ScheduleError with the grid, stuck actions marked, on a deadlock."""
-    deps = dependencies(sched)
+    when the matching send was posted (or `deps`: dependencies(sched) with more waits). Returns the global order of
+    (worker, index) executed; raises ScheduleError with the grid, stuck actions marked, on a deadlock."""
+    deps = dependencies(sched) if deps is None else deps
     pos = [0] * len(sched.actions)
     done: set[tuple[int, int]] = set()
     order: list[tuple[int, int]] = []

@@ -16,7 +16,7 @@ from partitioner.plan import even_plan
 from pipeflow import config
 from pipeflow.clip import GradClip, Norm, grad_clip, square_sum
 from pipeflow.kinds import schedule_kind
-from pipeflow.schedule import SCHEDULES, Kind, dependencies, generate
+from pipeflow.schedule import SCHEDULES, Kind, dependencies, dry_run, generate
 from pipeflow.stash import defers_update, version_fn
 from pipeflow.train import build_parser, check_args
 from tests.conftest import Case, MpiRun, batched, write_plan
@@ -221,16 +221,7 @@ def test_2bw_reads_each_norm_where_no_rank_waits_back(reps: tuple[int, ...], m: 
             read = at if last and not deferred else ahead[0] if ahead and not deferred else after
             if read < len(acts):  # none: read at the segment's end (drain), after every list
                 deps[w][read] = deps[w][read] + [(x, steps[x][k] - 1) for x in range(len(sched.actions))]
-    pos, done = [0] * len(sched.actions), set()
-    progress = True
-    while progress:
-        progress = False
-        for w, acts in enumerate(sched.actions):
-            while pos[w] < len(acts) and all(d in done for d in deps[w][pos[w]]):
-                done.add((w, pos[w]))
-                pos[w] += 1
-                progress = True
-    assert all(p == len(acts) for p, acts in zip(pos, sched.actions)), sched.render({w: p for w, p in enumerate(pos)})
+    dry_run(sched, deps)  # a deadlock raises ScheduleError with the grid
 
 
 def test_the_norms_gather_uses_only_what_every_torch_has(monkeypatch: pytest.MonkeyPatch, one_rank_group: Any) -> None:
