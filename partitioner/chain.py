@@ -60,8 +60,8 @@ Loss = tuple[Callable[[Any, Any], torch.Tensor], Any]
 # Rounds of the chain's timing (pipeflow-profile --rounds), spaced ROUND_GAP_S apart; each window keeps its fastest.
 # On the 2 x H200 hosts (a VM) the host's own pace moved by 2x from second to second, pinned to a core or not
 # (benchmarks/gpu/README.md, "the host's pace"): a pure-Python loop took 38-90 ms, the GPT's forwards at microbatch
-# 2 9.6-25 ms a round, while the ranks, whose hosts run ahead of the device, trained at the fast rounds' pace. A CPU
-# keeps one round: there the ranks share the cores, and the slow rounds are what they pay.
+# 2 9.6-25 ms a round; the fastest round priced every row of a 4 x H200 host within 1.6%. A CPU keeps one round
+# (its ranks share the cores with each other; the planner's CPU accuracy runs are measured so).
 ROUNDS = {"cuda": 5, "cpu": 1}
 ROUND_GAP_S = 0.5
 
