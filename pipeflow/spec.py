@@ -122,4 +122,28 @@ def build_model(model: str, model_args: dict[str, Any] | None = None, *, seed: i
         raise ModelError(f"model builder {model!r} returned {type(spec).__name__}, expected pipeflow.ModelSpec")
     spec.name = spec.name or model
     spec.args = dict(model_args or {})
+    _check_samples(spec, model)
     return spec
+
+
+def _check_samples(spec: ModelSpec, model: str) -> None:
+    """The dataset's first sample is an (input, target) pair the loader can batch: else one line at set-up, where
+    the loader would stop the first stage mid-run with a TypeError's traceback (a dict sample, as many datasets
+    give)."""
+    from pipeflow.data.loader import collate
+
+    if len(spec.dataset) == 0:  # type: ignore[arg-type]
+        return  # the loader's own message
+    try:
+        sample = spec.dataset[0]
+    except Exception as e:  # noqa: BLE001 (the user's __getitem__: whatever it raises, one line)
+        raise ModelError(f"model {model!r}: its dataset's sample 0 cannot be read: {type(e).__name__}: {e}") from None
+    expected = (f"model {model!r}: its dataset's samples must be (input, target) pairs, each a tensor, a number or a "
+                "tuple of them")
+    try:
+        batched = collate([sample])  # a tuple per part of a tuple or list sample
+    except TypeError as e:
+        raise ModelError(f"{expected}; sample 0: {e}") from None
+    if not (isinstance(batched, tuple) and len(batched) == 2):
+        found = f"has {len(batched)} parts" if isinstance(batched, tuple) else f"is a {type(sample).__name__}"
+        raise ModelError(f"{expected}; sample 0 {found}")

@@ -120,6 +120,45 @@ def test_parse_errors_are_one_line_written_once(monkeypatch, capfd):
                     ""]
 
 
+class _Samples(torch.utils.data.Dataset):
+    def __init__(self, make):
+        self.make = make
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return self.make(i)
+
+
+def sampled(kind: str) -> ModelSpec:
+    """The mlp on a dataset whose samples are `kind`: a dict, a triple, or a pair whose input is a dict."""
+    make = {"dict": lambda i: {"x": torch.zeros(4), "y": 0}, "triple": lambda i: (torch.zeros(4), 0, 1),
+            "dict input": lambda i: ({"x": torch.zeros(4)}, 0), "pair": lambda i: (torch.zeros(4), 0),
+            "tensor": lambda i: torch.zeros(4)}[kind]
+    spec = mlp.build(**MLP)
+    spec.dataset = _Samples(make)
+    return spec
+
+
+@pytest.mark.parametrize(("kind", "message"), [
+    ("dict", "its dataset's samples must be (input, target) pairs, each a tensor, a number or a tuple of them; "
+             "sample 0: cannot batch samples of type dict; expected tensors or tuples of tensors"),
+    ("triple", "its dataset's samples must be (input, target) pairs, each a tensor, a number or a tuple of them; "
+               "sample 0 has 3 parts"),
+    ("dict input", "its dataset's samples must be (input, target) pairs, each a tensor, a number or a tuple of them; "
+                   "sample 0: cannot batch samples of type dict; expected tensors or tuples of tensors"),
+    ("tensor", "its dataset's samples must be (input, target) pairs, each a tensor, a number or a tuple of them; "
+               "sample 0 is a Tensor"),
+])
+def test_samples_that_are_not_input_target_pairs_are_refused_at_set_up(kind: str, message: str) -> None:
+    """Before, the loader stopped the first stage at its first microbatch with a TypeError's traceback."""
+    with pytest.raises(ModelError) as e:
+        build_model("tests.test_bad_input:sampled", {"kind": kind})
+    assert str(e.value) == f"model 'tests.test_bad_input:sampled': {message}"
+    assert build_model("tests.test_bad_input:sampled", {"kind": "pair"}).dataset[0][1] == 0
+
+
 def test_builders_that_are_not_python_functions_of_user_code_are_refused(tmp_path):
     marker = tmp_path / "marker"
     for model, what in [("os:system", "names Python's standard library"),
