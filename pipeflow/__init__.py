@@ -5,11 +5,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pipeflow.api import Pipeline
+    from pipeflow.lrsched import LrSchedule
     from pipeflow.spec import ModelSpec, build_model
 
-__all__ = ["ModelSpec", "Pipeline", "build_model"]
+__all__ = ["LrSchedule", "ModelSpec", "Pipeline", "build_model"]
 __version__ = "0.1.0"
-_MODULES = {"ModelSpec": "spec", "build_model": "spec", "Pipeline": "api"}
+_MODULES = {"ModelSpec": "spec", "build_model": "spec", "Pipeline": "api", "LrSchedule": "lrsched"}
 
 
 def __getattr__(name: str) -> Any:

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from partitioner.plan import Plan, PlanError, even_plan
 from pipeflow.hooks import Feed, GateFactory, Timing
 from pipeflow.kinds import TABLE
+from pipeflow.lrsched import LrSchedule
 from pipeflow.spec import ModelSpec
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -77,7 +78,9 @@ class Pipeline:
     (its world, data, monitor, non-finite guard and segments); `shard_optimizer`: a replicated stage's optimizer
     state split over its replicas, each updating its share and sending it to the others (pipeflow/shard.py);
     `clip_grad_norm`: before each update, the gradients scaled as torch.nn.utils.clip_grad_norm_(model.parameters(),
-    clip_grad_norm) scales them in one process, the norm taken over every stage (pipeflow/clip.py; not under async).
+    clip_grad_norm) scales them in one process, the norm taken over every stage (pipeflow/clip.py; not under async);
+    `lr_schedule`: a pipeflow.LrSchedule (warm-up, cosine or linear decay) that sets each param group's lr before
+    every update, the group's lr as the optimizer factory set it the peak (pipeflow/lrsched.py).
     """
 
     def __init__(self, layers: Sequence[nn.Module], loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], *,
@@ -87,7 +90,7 @@ class Pipeline:
                  vertical_sync: bool = False, world: Any = None, data: Feed | None = None,
                  timer: Timing | None = None, step_gate: GateFactory | None = None, total_steps: int = 1,
                  segment_steps: int | None = None, shard_optimizer: bool = False,
-                 clip_grad_norm: float | None = None) -> None:
+                 clip_grad_norm: float | None = None, lr_schedule: LrSchedule | None = None) -> None:
         from pipeflow.comm import init_world
         from pipeflow.config import check_clip_grad_norm
         from pipeflow.engine import Engine
@@ -110,7 +113,8 @@ class Pipeline:
         self.engine = Engine(self.world, self.plan, spec, schedule=self.plan.schedule, optimizer_factory=optimizer,
                              loader=loader, dtype=dtype, total_steps=total_steps, timer=timer,
                              vertical_sync=vertical_sync, warmup=warmup, segment_steps=segment_steps, seed=seed,
-                             step_gate=step_gate, shard_optimizer=shard_optimizer, clip_norm=clip_grad_norm)
+                             step_gate=step_gate, shard_optimizer=shard_optimizer, clip_norm=clip_grad_norm,
+                             lr_schedule=lr_schedule)
         self.step_count = 0  # minibatches trained: the next step's data index (a resumed run sets it)
         self.unread = 0      # minibatches whose losses take_loss has not read yet
 
@@ -162,6 +166,14 @@ class Pipeline:
         its norm is then the previous minibatch's."""
         clip = self.engine.update.clip
         return None if clip is None or clip.last_norm is None else float(clip.last_norm)
+
+    def lr(self, step: int | None = None) -> float:
+        """The learning rate of the update of minibatch `step` (0-based; default: the last one trained) for this
+        rank's first param group: lr_schedule's value from that group's peak; without one, the optimizer's lr now."""
+        scheduled = self.engine.update.lr
+        if scheduled is None:
+            return float(self.optimizer.param_groups[0]["lr"])
+        return scheduled.at(max(0, self.step_count - 1) if step is None else step)
 
     def take_loss(self, minibatches: int | None = None) -> float | None:
         """The mean loss of the microbatches run since the last read (`minibatches` of them: default, all

@@ -10,6 +10,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pipeflow.kinds import schedule_kind
+from pipeflow.lrsched import LrSchedule, check
+
+LR_FLAGS = {"warmup": "--lr-warmup", "decay": "--lr-decay", "min_lr": "--min-lr", "decay_steps": "--lr-decay-steps",
+            "lr": "--lr", "steps": "--steps"}
 
 # Microbatches in one action list: a flush schedule's m, an asynchronous one's m x steps of a segment.
 # Every rank builds, validates and dry-runs the lists of all workers in Python (schedule.generate):
@@ -64,6 +68,15 @@ def check_clip_grad_norm(value: float | None, schedule: str | None, *, flag: str
                           "not have: each stage updates after each of its microbatches, at its own time, and a norm "
                           f"over the stages would stall the pipeline; use {use} (asynchronous, one update per "
                           "minibatch) or a flush schedule such as 1f1b")
+
+
+def check_lr_schedule(args: Any) -> None:
+    """--lr-warmup, --lr-decay, --min-lr and --lr-decay-steps (lrsched.py), against --lr and --steps."""
+    try:
+        check(warmup=args.lr_warmup, decay=args.lr_decay, min_lr=args.min_lr, decay_steps=args.lr_decay_steps,
+              lr=args.lr, steps=args.steps, names=LR_FLAGS)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_device(device: str) -> None:
@@ -148,6 +161,10 @@ class TrainConfig:
     vertical_sync: bool = False
     shard_optimizer: bool = False
     clip_grad_norm: float | None = None
+    lr_warmup: int = 0
+    lr_decay: str = "none"
+    min_lr: float = 0.0
+    lr_decay_steps: int | None = None
     layers_per_stage: str | None = None
     straight: bool = False
     topology: str | None = None
@@ -162,6 +179,7 @@ class TrainConfig:
 
         check_optimizer(self)
         check_clip_grad_norm(self.clip_grad_norm, self.schedule if self.schedule in SCHEDULES else None)
+        check_lr_schedule(self)
         if not math.isfinite(self.timeout):
             raise ConfigError(f"--timeout must be a finite number of seconds > 0, found {self.timeout}")
         if self.max_skips < 0:
@@ -202,6 +220,15 @@ class TrainConfig:
     def as_dict(self) -> dict[str, Any]:
         """The flags as a dict (TensorBoard's config text)."""
         return asdict(self)
+
+    @property
+    def lr_schedule(self) -> LrSchedule | None:
+        """The learning-rate schedule of the flags (lrsched.py); None where the lr stays --lr throughout."""
+        if not self.lr_warmup and self.lr_decay == "none":
+            return None
+        end = self.lr_decay_steps if self.lr_decay_steps is not None else self.steps  # kept by a longer run's resume
+        return LrSchedule(warmup=self.lr_warmup, decay=self.lr_decay, min_lr=self.min_lr,
+                          decay_steps=end if self.lr_decay != "none" else None)
 
     @property
     def segment_steps(self) -> int | None:

@@ -14,6 +14,7 @@ from pipeflow.comm import P2P, World, all_reduce
 from pipeflow.hooks import Feed, GateFactory, StepGate, Timer, Timing, WeightHooks, WeightPolicy
 from pipeflow.kinds import Weights, schedule_kind
 from pipeflow.links import arm_points, make_links, make_reducers, reduce_late, send_window, tied_async_error
+from pipeflow.lrsched import LrSchedule, scheduled_lr
 from pipeflow.receives import ForwardReceives
 from pipeflow.reduce import find_ties
 from pipeflow.schedule import Action, Kind, Schedule, generate
@@ -37,15 +38,14 @@ class Engine:
                  timer: Timing | None = None, vertical_sync: bool = False,
                  warmup: list[int] | None = None, segment_steps: int | None = None, seed: int = 0,
                  step_gate: GateFactory | None = None, shard_optimizer: bool = False,
-                 clip_norm: float | None = None) -> None:
+                 clip_norm: float | None = None, lr_schedule: LrSchedule | None = None) -> None:
         # No reference to spec (its layer list) is kept: only this rank's layers stay alive (issue 10).
         self.world, self.plan, self.loader = world, plan, loader
         self.kind = schedule_kind(schedule)  # the schedule's rules (kinds.py)
         self.m, self.total_steps = plan.microbatches, total_steps
         self.timer: Timing = timer or Timer()
         self.s, self.r = plan.stage_of_rank(world.rank)  # rank group (the stage, without interleaving), replica
-        self.S, self.v = plan.groups, plan.virtual_stages
-        K = len(plan.stages)
+        self.S, self.v, K = plan.groups, plan.virtual_stages, len(plan.stages)
         self.stages = {k: Stage(spec.layers[st.layers[0]:st.layers[1]], start=st.layers[0], first=k == 0,
                                 last=k == K - 1, loss_fn=spec.loss_fn, device=world.device, dtype=dtype, seed=seed)
                        for k, st in enumerate(plan.stages) if k % self.S == self.s}
@@ -84,10 +84,11 @@ class Engine:
         self.tie_reducers, self.reducers = make_reducers(self.stages, self.ties, links, st.ranks, self.kind,
                                                          self.p2p, late)
         clip = grad_clip(clip_norm, self._parameters, self.ties, self.stages, st.replicas, self.r, world, self.kind)
-        self.update = Update(self.optimizer, self.parameters(), self.shard, [*self.reducers.values(),
-                             *self.tie_reducers], deferred=deferred, late=late, clip=clip,
-                             broadcast_overlaps=self.kind.broadcast_overlaps(last))
         self.microbatches_per_step = self.kind.microbatches_per_update(self.m, st.replicas)  # one STEP's, replicas
+        lr = scheduled_lr(lr_schedule, self.optimizer, per_update=self.microbatches_per_step, microbatches=self.m)
+        self.update = Update(self.optimizer, self.parameters(), self.shard, [*self.reducers.values(),
+                             *self.tie_reducers], deferred=deferred, late=late, clip=clip, lr=lr,
+                             broadcast_overlaps=self.kind.broadcast_overlaps(last))
         self.losses: list[torch.Tensor] = []
         self._step_losses = 0  # where the losses of the minibatch the next STEP ends start in self.losses
         self._received: dict[tuple[int, int], list[torch.Tensor]] = {}  # (stage, mb) -> received inputs, to B
@@ -116,9 +117,8 @@ class Engine:
                                      settle=lambda: self.update.settle())  # a broadcast, a clipped update
 
     def begin_segment(self, first_step: int, steps: int) -> None:
-        """Asynchronous schedules: the next `run(self.actions)` trains minibatches [first_step,
-        first_step + steps) as one list that fills and drains (stash.py, "Segments"): weight versions
-        count from the weights at its start, microbatch indices are offset to the global data order."""
+        """Asynchronous schedules: the next `run(self.actions)` trains minibatches [first_step, first_step + steps) as
+        one list that fills and drains (stash.py, "Segments"): versions from its start, microbatches in global order."""
         if self.flush:
             raise RuntimeError("segments are for the asynchronous schedules (async, 2bw)")
         self._use_schedule(steps)
@@ -150,6 +150,7 @@ class Engine:
         in_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
         dead: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # buffers to release
         arm_at = arm_points(self.sched, self.worker, actions, self.split)  # the last B (or W) before a STEP
+        self.update.begin(self.global_mb(step, 0) // self.m)  # the list's first minibatch: the lr schedule's place
         steps_done = 0
         for a in actions:
             if a.kind is Kind.STEP:
@@ -214,8 +215,7 @@ class Engine:
 
     def _post_recv_b(self, a: Action, stage: Stage) -> tuple[list[torch.Tensor], list[Any]]:
         assert a.microbatch is not None
-        saved = stage.saved[a.microbatch].outputs
-        meta = [(tuple(t.shape), t.dtype, False) for t in saved]
+        meta = [(tuple(t.shape), t.dtype, False) for t in stage.saved[a.microbatch].outputs]
         return self.p2p.recv(self._peer(a), "B", meta=meta)
 
     def _forward(self, stage: Stage, step: int, a: Action,

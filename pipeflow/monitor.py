@@ -75,10 +75,11 @@ class Monitor:
             self.timer.end_step(step)
 
     def report(self, step: int, loss: float | None, *, lr: float | None = None,
-               grad_norm: float | None = None) -> None:
+               grad_norm: float | None = None, show_lr: bool = False) -> None:
         """At a loss report (1-based `step`): progress, and with --tensorboard the window's scalars; `grad_norm`:
-        --clip-grad-norm's last norm (on the loss's owner)."""
-        rate = self.progress.update(step, loss, grad_norm) if self.progress is not None else 0.0
+        --clip-grad-norm's last norm (on the loss's owner); `show_lr`: the lr in the progress line too (a schedule)."""
+        shown = lr if show_lr else None
+        rate = self.progress.update(step, loss, grad_norm, lr=shown) if self.progress is not None else 0.0
         if not isinstance(self.timer, SpanTimer):
             return
         spans, steps = self.timer.resolve(wait=False)  # the steps the device has finished: no sync

@@ -29,9 +29,10 @@ class Progress:
         self.t0 = self.last_t = time.perf_counter()
         self.first_step = self.last_step = step
 
-    def update(self, step: int, loss: float | None, grad_norm: float | None = None) -> float:
-        """Show step `step` (with --clip-grad-norm, the last gradient's norm before clipping); returns samples/s
-        since the previous update."""
+    def update(self, step: int, loss: float | None, grad_norm: float | None = None, *,
+               lr: float | None = None) -> float:
+        """Show step `step` (with --clip-grad-norm, the last gradient's norm before clipping; with a learning-rate
+        schedule, its lr); returns samples/s since the previous update."""
         now = time.perf_counter()
         rate = (step - self.last_step) * self.sps / max(now - self.last_t, 1e-9)
         self.last_t, self.last_step = now, step
@@ -40,6 +41,8 @@ class Progress:
         eta = elapsed / done * (self.total - step) if done > 0 else 0.0
         tok = f" {rate * self.tps / 1000:,.1f}k tok/s" if self.tps else ""
         text = f"loss {loss:.4f}" if loss is not None else "loss -"
+        if lr is not None:
+            text += f"  lr {lr:.4g}"
         if grad_norm is not None:
             text += f"  grad norm {grad_norm:.4g}"
         if self.tty:

@@ -83,7 +83,7 @@ def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Control, watchdog:
                     seed=args.seed, vertical_sync=args.vertical_sync, world=world, data=loader, timer=monitor.timer,
                     step_gate=step_guard(args, comm, signals), total_steps=args.steps,
                     segment_steps=args.segment_steps, shard_optimizer=args.shard_optimizer,
-                    clip_grad_norm=args.clip_grad_norm)
+                    clip_grad_norm=args.clip_grad_norm, lr_schedule=args.lr_schedule)
     engine = pipe.engine
     ce = engine.p2p.ce
     if ce is not None and watchdog is not None:  # transfers on the copy engines time out through the watchdog
@@ -92,6 +92,8 @@ def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Control, watchdog:
         how = "the plan's" if args.warmup == "plan" else f"--warmup {args.warmup}"
         log.info("%s warm-up: %s forwards before the first backward per stage (%s)", plan.schedule,
                  ", ".join(map(str, engine.warmup)), how)
+    if pids is not None and args.lr_schedule is not None:
+        log.info("learning rate %g: %s (docs/schedules.md)", args.lr, args.lr_schedule.describe())
     info = run_info(args, spec, plan)
     # This rank keeps only its own stage's layers (engine.stage): drop the model-wide list so that the
     # other stages' layers are freed (issue 10, item 3).
@@ -113,8 +115,8 @@ def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Control, watchdog:
             last_reported = step
             if first_report is None:
                 first_report = (step, time.perf_counter())
-            monitor.report(step, loss, lr=pipe.optimizer.param_groups[0]["lr"],
-                           grad_norm=pipe.grad_norm() if engine.owns_loss else None)
+            monitor.report(step, loss, lr=pipe.lr(k), grad_norm=pipe.grad_norm() if engine.owns_loss else None,
+                           show_lr=args.lr_schedule is not None)  # step k's update's lr, applied or due
         supervisor.after_step(step)
 
     monitor.start(start)

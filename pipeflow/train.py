@@ -63,7 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-shuffle", action="store_true", help="samples in order instead of a seeded permutation")
     p.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="adam")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (the peak, with --lr-warmup/--lr-decay)")
+    p.add_argument("--lr-warmup", type=int, default=0, metavar="N",
+                   help="linear warm-up: update u < N at --lr * (u + 1) / (N + 1) (default 0: none)")
+    p.add_argument("--lr-decay", choices=("none", "cosine", "linear"), default="none",
+                   help="after the warm-up, decay the lr from --lr to --min-lr at update --lr-decay-steps (nanoGPT's "
+                        "get_lr, Megatron's --lr-decay-style; update u is minibatch u's, docs/schedules.md)")
+    p.add_argument("--min-lr", type=float, default=0.0, help="the lr the decay reaches and then keeps (default 0)")
+    p.add_argument("--lr-decay-steps", type=int, default=None, metavar="K",
+                   help="the update at which the decay reaches --min-lr (default --steps; give a run and its --resume "
+                        "the same K where their --steps differ, so that both follow one curve)")
     p.add_argument("--momentum", type=float, default=0.0)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")

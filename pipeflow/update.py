@@ -27,7 +27,11 @@ update that applies it: at once under the flush schedules, a STEP later where de
 (`postponed`) would wait there for the norm of stage 0, whose STEP comes last, stalling the pipeline; but their next
 minibatch runs on a copy of the weights (stash.py), so they hold g_k as a deferred update does and apply it when the
 live weights are next read (`settle`: the first forward of minibatch k + 2, or the next STEP, or the segment's end),
-by when the norm has long arrived. Nothing reads the weights in between: the same updates, in the same order."""
+by when the norm has long arrived. Nothing reads the weights in between: the same updates, in the same order.
+
+The learning-rate schedule (lrsched.py, `lr`). Each gradient takes its index when it is made, at its STEP, and the
+update that applies it sets the lr of that index, whenever it runs (deferred, late, postponed or at once); a skipped
+update uses its index up all the same."""
 from __future__ import annotations
 
 import logging
@@ -38,6 +42,7 @@ import torch
 
 from pipeflow.clip import GradClip, Norm
 from pipeflow.hooks import StepGate, arm_device_skip
+from pipeflow.lrsched import ScheduledLr
 from pipeflow.reduce import GradReducer, Reduction
 from pipeflow.shard import ShardedUpdate
 
@@ -59,7 +64,7 @@ class Update:
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
                  shard: ShardedUpdate | None, reducers: list[GradReducer], *, deferred: bool, late: bool,
-                 broadcast_overlaps: bool, clip: GradClip | None = None) -> None:
+                 broadcast_overlaps: bool, clip: GradClip | None = None, lr: ScheduledLr | None = None) -> None:
         self.optimizer, self.params, self.shard, self.reducers = optimizer, params, shard, reducers
         self.deferred, self.late = deferred, late and bool(reducers)  # late (the engine's rule): with replicas only
         assert not (late and clip), "a clipped gradient must be final at its STEP: no late reduction"
@@ -67,16 +72,22 @@ class Update:
         # clipped update waits for the live weights' next reader instead (module docstring).
         self.overlap = broadcast_overlaps and not deferred
         self.clip, self.postponed = clip, clip is not None and self.overlap
+        self.lr = lr
         updated = {id(p) for g in optimizer.param_groups for p in g["params"]}
         self.held_mask = [id(p) in updated for p in params]  # what a deferred update holds (the owned ones)
-        # (gradients, the gate's outcome, its device flag, their norm in flight)
-        self.held: tuple[list[torch.Tensor | None], bool, Any, Norm | None] | None = None
+        # (gradients, the gate's outcome, its device flag, their norm in flight, their index: the lr's)
+        self.held: tuple[list[torch.Tensor | None], bool, Any, Norm | None, int] | None = None
         self.launched: list[Reduction] = []  # late: this STEP's all-reduce (`reduce`)
-        self.in_flight: tuple[list[Reduction], list[torch.Tensor]] | None = None  # late: g_k's all-reduce, losses
+        self.in_flight: tuple[list[Reduction], list[torch.Tensor], int] | None = None  # late: g_k's, its losses
         self.checking: list[torch.Tensor] | None = None  # late: the losses the gate checks with the gradient
         if deferred:
             log.info("each update applied one STEP late on the live weights: no weight copies%s",
                      "; the replicas' all-reduce under the next minibatch" if self.late else "")
+
+    def begin(self, step: int) -> None:
+        """A run, flush step or segment starts at minibatch `step`: where the lr schedule is (lrsched.py)."""
+        if self.lr is not None:
+            self.lr.begin(step)
 
     def reduce(self) -> None:
         """A STEP's first part: the replicas' all-reduce (chunk order, then ties) completed, or launched where late;
@@ -105,11 +116,11 @@ class Update:
             for p in self.params:  # the reductions hold them; the next minibatch starts from none
                 p.grad = None
             self._complete(gate)  # minibatch k - 1's, gated and applied now
-            self.in_flight = (self.launched, list(losses))
+            self.in_flight = (self.launched, list(losses), self._index())
             return
         if not (self.deferred or self.postponed):
             ok = gate is None or gate()
-            self._apply(ok, overlap=self.overlap, norm=self._launch())
+            self._apply(ok, overlap=self.overlap, norm=self._launch(), index=self._index())
             return
         fresh = [p.grad for p in self.params]
         self._restore()  # minibatch k - 1's gradient, applied now (postponed: by `settle` already)
@@ -117,7 +128,7 @@ class Update:
             p.grad = g
         ok = gate is None or gate()  # minibatch k's gradient and losses, decided now as without deferral
         self.held = ([g if keep else None for g, keep in zip(fresh, self.held_mask)], ok,
-                     getattr(self.optimizer, "found_inf", None), self._launch())
+                     getattr(self.optimizer, "found_inf", None), self._launch(), self._index())
         for p in self.params:  # held or dropped (a sharded stage's others): the next minibatch starts from none
             p.grad = None
 
@@ -133,7 +144,7 @@ class Update:
         """Late reduction: the gradient in flight, reduced, gated and applied."""
         if self.in_flight is None:
             return
-        launched, self.checking = self.in_flight
+        launched, self.checking, index = self.in_flight
         self.in_flight = None
         for r, red in zip(self.reducers, launched):
             r.complete(red)
@@ -144,27 +155,33 @@ class Update:
             ok = gate is None or gate()
         finally:
             self.checking = None
-        self._apply(ok, overlap=False)
+        self._apply(ok, overlap=False, index=index)
 
     def _restore(self) -> None:
         if self.held is None:
             return
-        grads, ok, flag, norm = self.held
+        grads, ok, flag, norm, index = self.held
         self.held = None
         for p, g in zip(self.params, grads):
             p.grad = g
         if flag is not None:
             arm_device_skip(self.optimizer, flag)  # the flag the gate computed for this gradient
-        self._apply(ok, overlap=False, norm=norm)
+        self._apply(ok, overlap=False, norm=norm, index=index)
 
     def _launch(self) -> Norm | None:
         """The global norm of the gradient the parameters hold now (final), launched; None without clipping."""
         return self.clip.launch() if self.clip is not None else None
 
-    def _apply(self, ok: bool, *, overlap: bool, norm: Norm | None = None) -> None:
+    def _index(self) -> int:
+        """The index of the gradient this STEP makes (its update's lr); 0 without a schedule."""
+        return self.lr.take() if self.lr is not None else 0
+
+    def _apply(self, ok: bool, *, overlap: bool, index: int, norm: Norm | None = None) -> None:
         if self.clip is not None and norm is not None:  # scaled even when skipped: every rank waits for its norm
             grads = [p.grad for p, keep in zip(self.params, self.held_mask) if keep and p.grad is not None]
             ok = self.clip.scale(norm, grads, self.optimizer) and ok
+        if self.lr is not None:
+            self.lr.set(index)
         if ok:
             self.optimizer.step()
         if self.shard is not None:  # skipped or not, on every replica: the owners' weights to the others

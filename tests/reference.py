@@ -19,6 +19,24 @@ def make_optimizer(name: str, params: Any, lr: float, momentum: float = 0.0) -> 
     return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(params, lr=lr)
 
 
+def warmup_decay(lr: float, *, warmup: int, decay: str, min_lr: float = 0.0,
+                 decay_steps: int | None = None) -> Callable[[int], float]:
+    """u -> the lr of update u, written here apart from pipeflow/lrsched.py after nanoGPT's get_lr: linear warm-up
+    lr (u + 1) / (N + 1) below N, then cosine or linear decay from lr at N to min_lr at K, min_lr beyond."""
+    def f(u: int) -> float:
+        if u < warmup:
+            return lr * (u + 1) / (warmup + 1)
+        if decay == "none":
+            return lr
+        assert decay_steps is not None
+        if u >= decay_steps:
+            return min_lr
+        progress = (u - warmup) / (decay_steps - warmup)
+        shape = (math.cos(math.pi * progress) + 1) / 2 if decay == "cosine" else 1 - progress
+        return min_lr + shape * (lr - min_lr)
+    return f
+
+
 def seed_of(seed: int, t: int, i: int) -> int:
     """docs/reproducibility.md, written here apart from pipeflow: the seed of layer i on microbatch t
     is a splitmix64 chain over (seed, t, i), as a 63-bit number."""
@@ -39,13 +57,16 @@ def seed_of(seed: int, t: int, i: int) -> int:
 def reference_flush(model: str, model_args: dict[str, Any], *, steps: int, microbatches: int,
                     microbatch_size: int, optimizer: str = "sgd", lr: float = 0.05, momentum: float = 0.0,
                     seed: int = 0, dtype: torch.dtype = torch.float64, clip: float | None = None,
-                    norms: list[float] | None = None) -> dict[str, torch.Tensor]:
+                    norms: list[float] | None = None,
+                    lr_at: Callable[[int], float] | None = None) -> dict[str, torch.Tensor]:
     """gpipe / 1f1b semantics: per step, the mean of m microbatch losses, one optimizer step. Layer i runs
     on global microbatch t after torch.manual_seed(seed_of(seed, t, i)) (dropout; Reproducibility).
-    `clip`: torch.nn.utils.clip_grad_norm_(model.parameters(), clip) before each step, its norm appended to `norms`."""
+    `clip`: torch.nn.utils.clip_grad_norm_(model.parameters(), clip) before each step, its norm appended to `norms`.
+    `lr_at`: step k at lr_at(k), as torch's LambdaLR(opt, lambda k: lr_at(k) / lr) stepped after each step sets it."""
     spec = build_model(model, model_args, seed=seed)
     net = nn.Sequential(*spec.layers).to(dtype)
     opt = make_optimizer(optimizer, net.parameters(), lr, momentum)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_at(k) / lr) if lr_at is not None else None
     loader = MicrobatchLoader(spec.dataset, microbatch_size, seed=seed)
     for k in range(steps):
         opt.zero_grad()
@@ -62,6 +83,8 @@ def reference_flush(model: str, model_args: dict[str, Any], *, steps: int, micro
             if norms is not None:
                 norms.append(norm)
         opt.step()
+        if schedule is not None:
+            schedule.step()
     return {k: v.detach() for k, v in net.state_dict().items()}
 
 
@@ -94,7 +117,8 @@ def reference_delayed(model: str, model_args: dict[str, Any], *, schedule: str, 
                       steps: int, microbatches: int, microbatch_size: int, optimizer: str = "sgd",
                       lr: float = 0.05, momentum: float = 0.0, vertical_sync: bool = False, seed: int = 0,
                       dtype: torch.dtype = torch.float64, segment: int | None = None, clip: float | None = None,
-                      norms: list[float] | None = None) -> dict[str, torch.Tensor]:
+                      norms: list[float] | None = None,
+                      lr_at: Callable[[int], float] | None = None) -> dict[str, torch.Tensor]:
     """async / 2bw semantics, one microbatch at a time: microbatch t runs forward and backward through
     every stage s with version v_s(t) of its weights; stage s's update u (u + 1 updates in all) takes
     the gradients of microbatches [u U_s, (u + 1) U_s) and is applied to its latest weights: for async
@@ -104,7 +128,9 @@ def reference_delayed(model: str, model_args: dict[str, Any], *, schedule: str, 
     `segment` microbatches (checkpoint boundaries, stash.py "Segments"): at each segment start the current
     weights become version 0 and t counts from there.
     `clip` (2bw, where every stage updates at once): each update's gradient, over all stages, clipped by
-    torch.nn.utils.clip_grad_norm_(model.parameters(), clip) before it is applied, its norm appended to `norms`."""
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip) before it is applied, its norm appended to `norms`.
+    `lr_at`: an update at lr_at(k), k the minibatch of its first microbatch (2bw: the update's own index; async: the
+    same k for every update of minibatch k on every stage), whenever in the run it comes."""
     assert clip is None or schedule == "2bw", "async has no update of every stage at once to clip"
     spec = build_model(model, model_args, seed=seed)
     net = nn.Sequential(*spec.layers).to(dtype)
@@ -147,6 +173,8 @@ def reference_delayed(model: str, model_args: dict[str, Any], *, schedule: str, 
                 norms.append(norm)
         for s in due:
             if opts[s] is not None:
+                for group in opts[s].param_groups:
+                    group["lr"] = lr_at((t + 1 - per_update[s]) // microbatches) if lr_at is not None else lr
                 opts[s].step()
                 opts[s].zero_grad()
             history[s].append({k: v.detach().clone() for k, v in mods[s].named_parameters()})
