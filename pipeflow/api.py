@@ -34,23 +34,24 @@ class BatchFeed:
     the rows [i*b, (i+1)*b) of every tensor of it, i = j - step*m (the global index pipeflow-train's
     MicrobatchLoader uses, so that both give the engine the same microbatches)."""
 
-    def __init__(self, microbatches: int) -> None:
+    def __init__(self, microbatches: int, caller: str = "Pipeline.step") -> None:
         self.m = microbatches
+        self.caller = caller  # the method its errors name
         self.first = 0  # global index of the current minibatch's microbatch 0
         self.parts: list[tuple[Any, Any]] = []
 
     def set(self, step: int, x: Any, target: Any) -> None:
         leaves, spec = tree_flatten(x)
         if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
-            raise TypeError(f"Pipeline.step: x must be a tensor or a tuple/list of tensors, found {type(x).__name__}")
+            raise TypeError(f"{self.caller}: x must be a tensor or a tuple/list of tensors, found {type(x).__name__}")
         size = leaves[0].shape[0] if leaves[0].dim() else 0
         if size < 1 or size % self.m or any(t.dim() == 0 or t.shape[0] != size for t in leaves):
-            raise ValueError(f"Pipeline.step: the minibatch must split into {self.m} microbatches of equal size "
+            raise ValueError(f"{self.caller}: the minibatch must split into {self.m} microbatches of equal size "
                              f"along dimension 0; found shapes {[tuple(t.shape) for t in leaves]}")
         if target is not None and (not isinstance(target, torch.Tensor) or target.dim() == 0
                                    or target.shape[0] != size):
             found = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
-            raise ValueError(f"Pipeline.step: target must be a tensor of {size} rows (one per sample of x), "
+            raise ValueError(f"{self.caller}: target must be a tensor of {size} rows (one per sample of x), "
                              f"found {found}")
         b = size // self.m
         xs = [tree_unflatten([t[i * b:(i + 1) * b] for t in leaves], spec) for i in range(self.m)]
@@ -117,6 +118,7 @@ class Pipeline:
                              lr_schedule=lr_schedule)
         self.step_count = 0  # minibatches trained: the next step's data index (a resumed run sets it)
         self.unread = 0      # minibatches whose losses take_loss has not read yet
+        self.in_step = False  # inside step() or run_segment() (or after one that failed): no evaluate()
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -142,11 +144,13 @@ class Pipeline:
             self.feed.set(self.step_count, x, target)
         elif x is not None or target is not None:
             raise ValueError("this Pipeline reads its data from the loader it was built with; call step()")
+        self.in_step = True  # until the step ends: evaluate() refuses to run inside it
         if self.engine.flush:
             self.engine.train_step(self.step_count)
         else:  # an asynchronous schedule: a segment of one minibatch, which fills and drains (stash.py)
             self.engine.begin_segment(self.step_count, 1)
             self.engine.run(self.engine.actions)
+        self.in_step = False
         self.step_count += 1
         self.unread += 1
         return self.take_loss() if loss else None
@@ -154,10 +158,38 @@ class Pipeline:
     def run_segment(self, first: int, steps: int, on_step: Callable[[int], None] | None = None) -> None:
         """Asynchronous schedules, data from the loader: minibatches [first, first + steps) as one action
         list; `on_step(n)` after its n-th optimizer step (pipeflow-train's checkpoints cut segments)."""
+        self.in_step = True
         self.engine.begin_segment(first, steps)
         self.engine.run(self.engine.actions, on_step=on_step)
+        self.in_step = False
         self.step_count = first + steps
         self.unread += steps
+
+    def evaluate(self, x: Any = None, target: torch.Tensor | None = None, *, data: Feed | None = None,
+                 first: int = 0) -> float | None:
+        """Forward only: the mean loss over the microbatches of one minibatch, split as step() splits it, with every
+        layer in eval mode (as model.eval(); each put back in its own mode after) under torch.no_grad: no gradient,
+        no update, nothing kept (pipeflow/evaluate.py). Returns it on the rank that owns the loss, None elsewhere.
+        Collective: call it on every rank with the same minibatch, between steps; it uses the current weights (under
+        async and 2bw, the latest: each step drains its pipeline). `data`, `first` (pipeflow-train's): microbatches
+        first .. first + m - 1 of a loader instead of x and target."""
+        from pipeflow.evaluate import evaluate
+
+        if self.in_step:
+            raise RuntimeError("Pipeline.evaluate: called inside a training step (from a hook or callback of step or "
+                               "run_segment, or after one that failed), where microbatches are in flight and, under "
+                               "async and 2bw, stashed weights are in use; call it between steps")
+        if data is None:
+            if x is None:
+                raise ValueError("Pipeline.evaluate needs the minibatch: evaluate(x, target=y) on every rank")
+            if target is None and self.engine.holds_last:
+                raise ValueError("Pipeline.evaluate needs target= on the last stage's ranks (the loss's input)")
+            feed = BatchFeed(self.m, caller="Pipeline.evaluate")
+            feed.set(0, x, target)
+            data, first = feed, 0
+        elif x is not None or target is not None:
+            raise ValueError("Pipeline.evaluate takes the minibatch (x, target) or data=, not both")
+        return evaluate(self.engine, data, first)
 
     def grad_norm(self) -> float | None:
         """With clip_grad_norm: the global L2 norm of the last clipped gradient before clipping (what

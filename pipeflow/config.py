@@ -79,6 +79,16 @@ def check_lr_schedule(args: Any) -> None:
         raise ConfigError(str(e)) from None
 
 
+def check_eval(args: Any, schedule: str | None, what: str = "--schedule") -> None:
+    """--eval-every and --eval-batches (evalflags.py)."""
+    from pipeflow import evalflags
+
+    try:
+        evalflags.check(args, schedule, what)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def check_device(device: str) -> None:
     if device == "cuda":
         import torch
@@ -156,6 +166,8 @@ class TrainConfig:
     max_skips: int = 10
     save: str | None = None
     log_every: int = 0
+    eval_every: int = 0
+    eval_batches: int = 1
     tensorboard: str | None = None
     trace: str | None = None
     vertical_sync: bool = False
@@ -184,6 +196,7 @@ class TrainConfig:
             raise ConfigError(f"--timeout must be a finite number of seconds > 0, found {self.timeout}")
         if self.max_skips < 0:
             raise ConfigError(f"--max-skips must be >= 0 (0: never stop), found {self.max_skips}")
+        check_eval(self, self.schedule if self.schedule in SCHEDULES else None)
         if self.microbatches is not None:
             check_schedule_size(self.microbatches, "--microbatches")
         check_device(self.device)
@@ -250,6 +263,7 @@ def check_plan(plan: Any, args: TrainConfig, schedules: tuple[str, ...]) -> int:
         raise ConfigError(f"the plan's schedule {plan.schedule!r} is unknown: expected one of {', '.join(schedules)}"
                           " (edit the plan or pass --schedule)")
     check_clip_grad_norm(args.clip_grad_norm, plan.schedule, what="the plan's schedule")
+    check_eval(args, plan.schedule, what="the plan's schedule")
     if schedule_kind(plan.schedule).flush:
         check_schedule_size(plan.microbatches, "the plan's microbatches" if args.microbatches is None
                             else "--microbatches")

@@ -114,6 +114,19 @@ class Monitor:
                 scalars[f"predicted/{key}"] = float(self.plan.predicted[key])
         self.board.write(step, scalars, stages)
 
+    def evaluated(self, step: int, loss: float | None, seconds: float) -> None:
+        """After an evaluation at step `step` (--eval-every) that took `seconds`, on every rank: the steps' times
+        leave it out; on the loss's owner (`loss`: the mean over its minibatches) the 'eval loss' line and
+        TensorBoard's loss/eval."""
+        if isinstance(self.timer, SpanTimer):
+            self.timer.skip()
+        if loss is None:
+            return
+        if self.progress is not None:
+            self.progress.evaluated(step, loss, seconds)
+        if self.board is not None and math.isfinite(loss):  # as loss/train: a NaN would hide the chart's scale
+            self.board.write(step, {"loss/eval": loss}, [])
+
     def _per_stage(self, rows: list[tuple[int, dict[str, float], int]]) -> list[dict[str, float]]:
         """Replicas of a stage averaged (times) or maxed (memory); the plan's predicted memory beside."""
         out: list[dict[str, float]] = []

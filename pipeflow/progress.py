@@ -57,3 +57,12 @@ class Progress:
             log.info("step %d/%d  %s  %.1f samples/s%s  elapsed %s, eta %s", step, self.total, text, rate, tok,
                      _clock(elapsed), _clock(eta))
         return rate
+
+    def evaluated(self, step: int, loss: float, seconds: float) -> None:
+        """An evaluation after step `step` (--eval-every) took `seconds`: its line; samples/s leaves that time out."""
+        self.last_t += seconds
+        if self.tty:
+            self.stream.write(f"\r{step}/{self.total} | eval loss {loss:.4f}\x1b[K\n")
+            self.stream.flush()
+        else:
+            log.info("step %d/%d  eval loss %.4f  (%.2f s)", step, self.total, loss, seconds)

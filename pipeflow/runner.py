@@ -69,6 +69,10 @@ def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Control, watchdog:
     loader = MicrobatchLoader(spec.dataset, args.microbatch_size, seed=args.seed, shuffle=not args.no_shuffle)
     m = plan.microbatches
     loader.stage_on(world.device, m)  # each minibatch's samples go to the device in one copy (issue 15)
+    held_out = None  # --eval-every: eval_dataset in its own order, never shuffled (docs/reproducibility.md)
+    if args.eval_every and spec.eval_dataset is not None:  # evalflags.check_dataset: it has one
+        held_out = MicrobatchLoader(spec.eval_dataset, args.microbatch_size, shuffle=False)
+        held_out.stage_on(world.device, m)
     dtype = DTYPES[args.dtype] if args.dtype else model_dtype(torch.nn.ModuleList(spec.layers))
     peak = peak_tflops(world.device, dtype, args.peak_tflops)
     monitor = Monitor(comm, plan, world.device, total_steps=args.steps, samples_per_step=m * args.microbatch_size,
@@ -105,6 +109,20 @@ def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Control, watchdog:
     every = args.log_every or max(1, args.steps // 10)
     last_reported = start
     first_report: tuple[int, float] | None = None  # (step, time) of the first report: steady state after it
+    eval_seconds = 0.0  # spent evaluating after the first report: not training time
+
+    def evaluate(step: int) -> None:
+        """--eval-every: after every K-th step, the first --eval-batches minibatches of eval_dataset (the same ones
+        each time); at a step boundary, or under async and 2bw a segment's end (evalflags.check)."""
+        nonlocal eval_seconds
+        if held_out is None or step % args.eval_every:
+            return
+        t0 = time.perf_counter()
+        losses = [pipe.evaluate(data=held_out, first=n * m) for n in range(args.eval_batches)]
+        owned = [x for x in losses if x is not None]
+        seconds = time.perf_counter() - t0
+        eval_seconds += seconds if first_report is not None else 0.0
+        monitor.evaluated(step, sum(owned) / len(owned) if owned else None, seconds)
 
     def report(k: int) -> None:
         nonlocal last_reported, first_report
@@ -124,6 +142,7 @@ def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Control, watchdog:
         for k in range(start, args.steps):
             pipe.step(loss=False)  # the loss is read at reports only: no device sync per step
             report(k)
+            evaluate(k + 1)
     else:  # segments that fill and drain the pipeline; checkpoints and stops at their ends (stash.py)
         for first, count in supervisor.segments(start):
             def on_step(n: int, first: int = first) -> None:  # report each minibatch the (n+1)-th STEP completes
@@ -133,10 +152,11 @@ def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Control, watchdog:
 
             pipe.run_segment(first, count, on_step)
             supervisor.after_segment(first + count)
+            evaluate(first + count)
     supervisor.close()
     monitor.close()
     if engine.owns_loss and first_report is not None and first_report[0] < args.steps:
-        steps, dt = args.steps - first_report[0], time.perf_counter() - first_report[1]
+        steps, dt = args.steps - first_report[0], time.perf_counter() - first_report[1] - eval_seconds
         rate = steps * m * args.microbatch_size / dt
         tok = f", {rate * spec.tokens_per_sample:.0f} tokens/s" if spec.tokens_per_sample else ""
         utilisation = mfu(rate, spec.flops_per_sample, world.size, peak)

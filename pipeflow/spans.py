@@ -81,6 +81,10 @@ class SpanTimer:
         self._begin = end
         self.step = step + 1
 
+    def skip(self) -> None:
+        """The time until now belongs to no step (an evaluation between steps): the next step begins now."""
+        self._begin = self._now()
+
     def resolve(self, *, wait: bool = True) -> tuple[list[Span], list[tuple[int, float, float]]]:
         """The spans and step intervals recorded since the last call, in seconds. With `wait` (the end of a
         run) all of them, syncing the device on CUDA. Without (a report in the steady state), on CUDA only the

@@ -27,6 +27,8 @@ class ModelSpec:
     flops_per_sample: float | None = None
     name: str = ""
     args: dict[str, Any] = field(default_factory=dict)
+    # Held-out samples for pipeflow-train --eval-every (read in order, never shuffled); None: the model has none.
+    eval_dataset: torch.utils.data.Dataset | None = None
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -122,23 +124,25 @@ def build_model(model: str, model_args: dict[str, Any] | None = None, *, seed: i
         raise ModelError(f"model builder {model!r} returned {type(spec).__name__}, expected pipeflow.ModelSpec")
     spec.name = spec.name or model
     spec.args = dict(model_args or {})
-    _check_samples(spec, model)
+    _check_samples(spec.dataset, model)
+    if spec.eval_dataset is not None:
+        _check_samples(spec.eval_dataset, model, "eval_dataset")
     return spec
 
 
-def _check_samples(spec: ModelSpec, model: str) -> None:
+def _check_samples(dataset: Any, model: str, what: str = "dataset") -> None:
     """The dataset's first sample is an (input, target) pair the loader can batch: else one line at set-up, where
     the loader would stop the first stage mid-run with a TypeError's traceback (a dict sample, as many datasets
     give)."""
     from pipeflow.data.loader import collate
 
-    if len(spec.dataset) == 0:  # type: ignore[arg-type]
+    if len(dataset) == 0:
         return  # the loader's own message
     try:
-        sample = spec.dataset[0]
+        sample = dataset[0]
     except Exception as e:  # noqa: BLE001 (the user's __getitem__: whatever it raises, one line)
-        raise ModelError(f"model {model!r}: its dataset's sample 0 cannot be read: {type(e).__name__}: {e}") from None
-    expected = (f"model {model!r}: its dataset's samples must be (input, target) pairs, each a tensor, a number or a "
+        raise ModelError(f"model {model!r}: its {what}'s sample 0 cannot be read: {type(e).__name__}: {e}") from None
+    expected = (f"model {model!r}: its {what}'s samples must be (input, target) pairs, each a tensor, a number or a "
                 "tuple of them")
     try:
         batched = collate([sample])  # a tuple per part of a tuple or list sample

@@ -126,27 +126,43 @@ class Stage:
         elsewhere the tensors to send (their structure in `trees[mb]`). `global_mb` is the microbatch's index in
         the data order (default `mb`): it seeds the layers."""
         if self.first:
-            x = to_device(inputs, self.device)
-            if self.dtype is not None:
-                x = _cast_floats(x, self.dtype)
+            x = self._batch(inputs)
             leaves: list[torch.Tensor] = []
         else:
             leaves = [t for t in inputs if t.requires_grad]
             x = received(join(inputs, tree))  # may be changed in place (received.py)
         out = self.run_layers(mb if global_mb is None else global_mb, x)
         if self.last:
-            if self.loss_fn is None or target is None:
-                raise RuntimeError("the last stage needs a loss function and a target")
-            loss = self.loss_fn(out, to_device(target, self.device))
+            loss = self._loss(out, target)
             self.saved[mb] = _Saved(leaves, [loss * loss_scale])
             return [loss.detach()]
+        outs, self.trees[mb] = self._split(out)
+        self.saved[mb] = _Saved(leaves, [t for t in outs if t.requires_grad])
+        return outs
+
+    def evaluate(self, t: int, inputs: list[torch.Tensor] | Any, target: torch.Tensor | None = None, *,
+                 tree: Tree = None) -> tuple[list[torch.Tensor], Tree]:
+        """Forward only (pipeflow/evaluate.py, under torch.no_grad): nothing is kept for a backward. On the last
+        stage ([loss], None), elsewhere the tensors to send and their structure. `t` seeds the layers."""
+        out = self.run_layers(t, self._batch(inputs) if self.first else join(inputs, tree))
+        return ([self._loss(out, target)], None) if self.last else self._split(out)
+
+    def _batch(self, inputs: Any) -> Any:
+        """The first stage's input: on the device, floating tensors in the stage's dtype."""
+        x = to_device(inputs, self.device)
+        return _cast_floats(x, self.dtype) if self.dtype is not None else x
+
+    def _loss(self, out: Any, target: torch.Tensor | None) -> torch.Tensor:
+        if self.loss_fn is None or target is None:
+            raise RuntimeError("the last stage needs a loss function and a target")
+        return self.loss_fn(out, to_device(target, self.device))
+
+    def _split(self, out: Any) -> tuple[list[torch.Tensor], Tree]:
         try:
-            outs, self.trees[mb] = split(out)
+            return split(out)
         except OutputError as e:  # a split given by hand: the profiler has not seen this output
             layer = self.start + len(self.module) - 1
             raise OutputError(f"layer {layer} ({type(self.module[-1]).__name__}), the last of its stage: {e}") from None
-        self.saved[mb] = _Saved(leaves, [t for t in outs if t.requires_grad])
-        return outs
 
     def run_layers(self, t: int, x: Any) -> Any:
         """The layers one by one, as nn.Sequential would, each after seeding for (seed, t, layer)."""

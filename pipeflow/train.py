@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 from partitioner.plan import PlanError
-from pipeflow import config
+from pipeflow import config, evalflags
 from pipeflow.failure import UsageError
 from pipeflow.outputs import prepare_outputs, release_checkpoint_lock
 from pipeflow.planning import check_ties, make_plan
@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "0: never)")
     p.add_argument("--save", default=None, help="write the trained model's state_dict here (rank 0)")
     p.add_argument("--log-every", type=int, default=0, help="steps between loss reports (default: steps/10)")
+    p.add_argument("--eval-every", type=int, default=0, metavar="K", help=evalflags.EVERY_HELP)
+    p.add_argument("--eval-batches", type=int, default=1, metavar="N", help="minibatches per evaluation (default 1)")
     p.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="write TensorBoard scalars here (throughput, loss, per-stage times, bubble, memory)")
     p.add_argument("--trace", default=None, metavar="FILE.json",
@@ -247,6 +249,7 @@ def _main(args: argparse.Namespace, comm: Control, watchdog: Any) -> int:
         cfg = check_args(args)  # from here on the runtime reads this, not the namespace
         prepare_outputs(cfg, rank)  # every output path writable; rank 0 locks --checkpoint-dir until it exits
         spec = build_model(cfg.model, parse_model_args(cfg.model_args), seed=cfg.seed)
+        evalflags.check_dataset(cfg, spec)
         plan = make_plan(cfg, spec, size, rank, comm)
         if cfg.global_batch is not None:  # every rank loads microbatches of the size the planner chose
             cfg = dataclasses.replace(cfg, microbatch_size=int(plan.extra["planner"]["microbatch_size"]))

@@ -186,7 +186,8 @@ def build(layers: int = 4, d_model: int = 128, heads: int = 4, seq_len: int = 64
     layer. `granularity="sublayer"` gives each block as two layers, Attention then MLP (2 * layers + 2 layers),
     `"fine"` as four, AttentionCore, Projection, Expand, Contract (4 * layers + 2; the boundaries inside a
     sublayer carry two tensors, the residual and the branch): the same weights and outputs (dropout draws per
-    layer, so with dropout the masks differ), so that a planner can cut inside a block."""
+    layer, so with dropout the masks differ), so that a planner can cut inside a block. The eval_dataset (held out,
+    for --eval-every): the stdlib corpus's last 10%, or dataset_size // 8 random sequences of another seed."""
     if layers < 1:
         raise ValueError(f"gpt needs layers >= 1, found {layers}")
     if granularity not in GRANULARITIES:
@@ -198,8 +199,10 @@ def build(layers: int = 4, d_model: int = 128, heads: int = 4, seq_len: int = 64
         if vocab < 256:
             raise ValueError(f"the stdlib byte dataset needs vocab >= 256, found {vocab}")
         data: torch.utils.data.Dataset = StdlibText(seq_len)
+        held_out: torch.utils.data.Dataset = StdlibText(seq_len, split="val")
     elif dataset == "synthetic":
         data = SyntheticTokens(seq_len, vocab, size=dataset_size)
+        held_out = SyntheticTokens(seq_len, vocab, size=max(1, dataset_size // 8), seed=4321)  # training's is 1234
     else:
         raise ValueError(f"unknown gpt dataset {dataset!r}: expected 'stdlib' or 'synthetic'")
     embed = Embedding(vocab, d_model, seq_len, dropout)
@@ -218,4 +221,4 @@ def build(layers: int = 4, d_model: int = 128, heads: int = 4, seq_len: int = 64
     mods.append(head)
     matmul = sum(p.numel() for m in mods[1:] for p in m.parameters())  # a tied weight counts once, in the head
     return ModelSpec(layers=mods, loss_fn=lm_loss, dataset=data, tokens_per_sample=seq_len,
-                     flops_per_sample=flops_per_sequence(matmul, layers, d_model, seq_len))
+                     flops_per_sample=flops_per_sequence(matmul, layers, d_model, seq_len), eval_dataset=held_out)

@@ -41,16 +41,20 @@ class OutputLayer(nn.Module):
 
 def build(layers: int = 6, d_in: int = 32, hidden: int = 64, classes: int = 10, samples: int = 2048,
           data_seed: int = 7) -> ModelSpec:
-    """`layers` modules in all (input, layers-2 hidden, output); data from a fixed random teacher."""
+    """`layers` modules in all (input, layers-2 hidden, output); data from a fixed random teacher. The eval_dataset
+    holds samples // 4 other inputs, drawn from their own seed (data_seed + 1), labelled by the same teacher."""
     if layers < 2:
         raise ValueError(f"mlp needs layers >= 2 (input and output), found {layers}")
     g = torch.Generator().manual_seed(data_seed)
     x = torch.randn(samples, d_in, generator=g)
     teacher = torch.randn(d_in, classes, generator=g)
     y = (x @ teacher).argmax(dim=1)
+    x_eval = torch.randn(max(1, samples // 4), d_in, generator=torch.Generator().manual_seed(data_seed + 1))
+    held_out = TensorDataset(x_eval, (x_eval @ teacher).argmax(dim=1))
     mods: list[nn.Module] = [InputLayer(d_in, hidden)]
     mods += [HiddenLayer(hidden) for _ in range(layers - 2)]
     mods.append(OutputLayer(hidden, classes))
     params = sum(p.numel() for m in mods for p in m.parameters())
     # 6 N per sample: 2 N forward, 4 N backward (the weight matmuls dominate; PaLM's estimate)
-    return ModelSpec(layers=mods, loss_fn=F.cross_entropy, dataset=TensorDataset(x, y), flops_per_sample=6.0 * params)
+    return ModelSpec(layers=mods, loss_fn=F.cross_entropy, dataset=TensorDataset(x, y), flops_per_sample=6.0 * params,
+                     eval_dataset=held_out)
