@@ -10,7 +10,6 @@ user's frozen module put back in eval mode after. `evaluate_state` evaluates giv
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from torch import nn
 
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.spec import ModelSpec, build_model
+from tests.api_user_loop import write_rank
 from tests.reference import seed_of
 
 # name -> (builder, model args); normdrop: fc, BatchNorm, relu and dropout in each of its first three layers
@@ -123,11 +123,7 @@ def main(argv: list[str]) -> int:
         got["owner"] = pipe.owns_loss
         state = pipe.state_dict()
         rank = pipe.world.rank
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps(got))
-    if state is not None:
-        torch.save(state, out / "model.pt")
-    return 0
+    return write_rank(out, f"rank{rank}.json", got, state)
 
 
 if __name__ == "__main__":

@@ -56,8 +56,13 @@ def main(argv: list[str]) -> int:
         losses = [pipe.step(x, target=y) for x, y in batches()]
         state = pipe.state_dict()
         rank = pipe.world.rank
+    return write_rank(out, f"losses-rank{rank}.json", losses, state)
+
+
+def write_rank(out: Path, name: str, results: object, state: dict[str, torch.Tensor] | None) -> int:
+    """One rank's results as out/name (JSON), and the model where the rank has it (rank 0); the loop's exit code."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"losses-rank{rank}.json").write_text(json.dumps(losses))
+    (out / name).write_text(json.dumps(results))
     if state is not None:
         torch.save(state, out / "model.pt")
     return 0
