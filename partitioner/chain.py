@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from partitioner.layermem import sandbox_copy
-from partitioner.measure import free_cached, machine_bytes, map_tensors, prepare_input, tensors
+from partitioner.measure import NOISY_SPREAD, free_cached, machine_bytes, map_tensors, prepare_input, tensors
 from pipeflow.received import received
 from pipeflow.spec import ModelSpec
 
@@ -171,36 +171,40 @@ def windows(layers: list[dict[str, Any]], dev: torch.device) -> Iterator[tuple[i
 
 
 def fastest_round(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: int, repeats: int, rounds: int,
-                  loss: Loss | None = None) -> ChainTimes:
-    """time_chain `rounds` times, ROUND_GAP_S apart: the round whose median pass took least."""
-    best: ChainTimes | None = None
+                  loss: Loss | None = None) -> tuple[ChainTimes, float]:
+    """time_chain `rounds` times, ROUND_GAP_S apart: the round whose median pass took least, and the slowest
+    round's median pass over it (how far the host's pace moved)."""
+    kept: list[tuple[float, ChainTimes]] = []
     for r in range(rounds):
         if r:
             time.sleep(ROUND_GAP_S)
         times = time_chain(layers, x, device, warmup=warmup, repeats=repeats, loss=loss)
-        if best is None or statistics.median(times.passes) < statistics.median(best.passes):
-            best = times
-    assert best is not None  # rounds >= 1 (the profiler checks it)
-    return best
+        kept.append((statistics.median(times.passes), times))
+    fastest = min(kept, key=lambda k: k[0])
+    slowest = max(k[0] for k in kept)
+    return fastest[1], slowest / fastest[0] if fastest[0] > 0 else 1.0
 
 
 def time_as_a_stage(spec: ModelSpec, layers: list[dict[str, Any]], x: Any, dev: torch.device,
                      dtype: torch.dtype | None, *, warmup: int, repeats: int, fuse: bool = False,
-                     target: Any = None, rounds: int = 1) -> tuple[list[float], float | None]:
+                     target: Any = None, rounds: int = 1,
+                     warnings: list[str] | None = None) -> tuple[list[float], float | None]:
     """--timing stage: replace each layer's forward and backward times in `layers` (profile_layer's numbers)
     with time_chain's, run over windows of consecutive layers whose bytes fit in half the free memory
     (a model too large for the device is timed a window at a time; the first layer of a window starts
     from a drained chain). A layer's share of its backward's weight gradients (backward_weight_ms) is kept.
     `fuse`: nn.Linear layers accumulate inside their GEMM (sandbox_copy). With `target` the last window ends
     with the model's loss on it. Returns the passes' totals, for the repeat spread, and the loss's median ms
-    (None without `target`). Each window is timed `rounds` times; its fastest round is kept (fastest_round)."""
+    (None without `target`). Each window is timed `rounds` times; its fastest round is kept (fastest_round), and
+    rounds that disagree by more than NOISY_SPREAD append a line to `warnings`."""
     passes: list[float] = []
-    loss_ms = None
+    loss_ms, moved = None, 1.0
     for start, end in windows(layers, dev):
         works = [sandbox_copy(layer, dev, dtype, fuse=fuse) for layer in spec.layers[start:end]]
         ends_model = target is not None and end == len(layers)
-        times = fastest_round(works, x, dev, warmup=warmup, repeats=repeats, rounds=rounds,
-                              loss=(spec.loss_fn, target) if ends_model else None)
+        times, ratio = fastest_round(works, x, dev, warmup=warmup, repeats=repeats, rounds=rounds,
+                                     loss=(spec.loss_fn, target) if ends_model else None)
+        moved = max(moved, ratio)
         del works
         free_cached(dev)
         x = times.output
@@ -214,4 +218,8 @@ def time_as_a_stage(spec: ModelSpec, layers: list[dict[str, Any]], x: Any, dev: 
             stats["backward_accumulate_ms"] = statistics.median(a)
             if share is not None:
                 stats["backward_weight_ms"] = share * stats["backward_ms"]
+    if moved > NOISY_SPREAD and warnings is not None:
+        warnings.append(f"the host's pace moved between the {rounds} timing rounds: the slowest took {moved:.2f} x "
+                        f"the fastest, which the profile keeps (warning above {NOISY_SPREAD}). Where the host sets "
+                        "the pace (small microbatches on a GPU), training may run slower than planned")
     return passes, loss_ms

@@ -129,7 +129,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
         chain = None
         if timing == "stage":  # the loss as the last stage pays it, after its layers, over time_loss's alone
             chain, in_chain = time_as_a_stage(spec, layers, first, dev, torch_dtype, warmup=warmup, repeats=repeats,
-                                              fuse=fuse, target=target, rounds=rounds)
+                                              fuse=fuse, target=target, rounds=rounds, warnings=warnings)
             loss_ms = loss_ms if in_chain is None else in_chain
         linears = any(splittable(m) for layer in spec.layers for m in layer.modules())  # else gemm changes nothing
         if chain is not None and linears and "PIPEFLOW_GRAD_ACCUM" not in os.environ and (

@@ -248,10 +248,17 @@ def test_the_fastest_of_several_rounds_is_kept(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(chain, "ROUND_GAP_S", 0.05)
     data = TensorDataset(torch.randn(16, 4), torch.zeros(16))
     spec = ModelSpec([PacedLayer(1.0, 1.0), PacedLayer(1.0, 1.0)], slow_loss(2.0, 2.0), data, name="paced")
+    warnings: list[str] = []
     try:
-        prof = profiler.profile_model(spec, 2, warmup=1, repeats=1, optimizer=None, timing="stage", rounds=rounds)
+        prof = profiler.profile_model(spec, 2, warmup=1, repeats=1, optimizer=None, timing="stage", rounds=rounds,
+                                      warnings=warnings)
     finally:
         PACE["extra_ms"] = 0.0
+    moved = [w for w in warnings if w.startswith("the host's pace moved between the 3 timing rounds: the slowest "
+                                                 "took ")]
+    assert len(moved) == (rounds == 3) and all(w.endswith(
+        "the fastest, which the profile keeps (warning above 1.2). Where the host sets the pace (small microbatches "
+        "on a GPU), training may run slower than planned") for w in moved), warnings
     assert len(started) == rounds and all(b - a >= 0.05 for a, b in zip(started, started[1:]))
     slow = rounds == 1  # one round: the slow host's pace, as before
     for lay in prof.layers:
