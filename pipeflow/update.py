@@ -102,11 +102,8 @@ class Update:
     def settle(self) -> None:
         """Before the live weights are read (stash.StashPolicy's forwards on or copies of them, a STEP): a postponed
         update applied, the last broadcast landed."""
-        if self.postponed and self.held is not None:
-            fresh = [p.grad for p in self.params]  # the next minibatch's so far
+        if self.postponed:
             self._restore()
-            for p, g in zip(self.params, fresh):
-                p.grad = g
         if self.shard is not None:
             self.shard.finish()
 
@@ -122,12 +119,9 @@ class Update:
             ok = gate is None or gate()
             self._apply(ok, overlap=self.overlap, norm=self._launch(), index=self._index())
             return
-        fresh = [p.grad for p in self.params]
         self._restore()  # minibatch k - 1's gradient, applied now (postponed: by `settle` already)
-        for p, g in zip(self.params, fresh):
-            p.grad = g
         ok = gate is None or gate()  # minibatch k's gradient and losses, decided now as without deferral
-        self.held = ([g if keep else None for g, keep in zip(fresh, self.held_mask)], ok,
+        self.held = ([p.grad if keep else None for p, keep in zip(self.params, self.held_mask)], ok,
                      getattr(self.optimizer, "found_inf", None), self._launch(), self._index())
         for p in self.params:  # held or dropped (a sharded stage's others): the next minibatch starts from none
             p.grad = None
@@ -158,15 +152,20 @@ class Update:
         self._apply(ok, overlap=False, index=index)
 
     def _restore(self) -> None:
+        """The held gradient applied; the gradients the parameters hold now (the next minibatch's so far, or none)
+        set aside meanwhile and given back."""
         if self.held is None:
             return
         grads, ok, flag, norm, index = self.held
         self.held = None
+        fresh = [p.grad for p in self.params]
         for p, g in zip(self.params, grads):
             p.grad = g
         if flag is not None:
             arm_device_skip(self.optimizer, flag)  # the flag the gate computed for this gradient
         self._apply(ok, overlap=False, norm=norm, index=index)
+        for p, g in zip(self.params, fresh):
+            p.grad = g
 
     def _launch(self) -> Norm | None:
         """The global norm of the gradient the parameters hold now (final), launched; None without clipping."""
