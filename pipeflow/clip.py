@@ -34,25 +34,18 @@ from pipeflow.links import tied_here
 from pipeflow.reduce import Tie
 from pipeflow.shard import owners
 from pipeflow.stage import Stage
+from pipeflow.tensorops import applied, by_dtype
 
 log = logging.getLogger(__name__)
 
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: MAX / (norm + EPS)
 
 
-def _by_dtype(grads: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    return groups
-
-
 def square_sum(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The sum of the squares of every element of `grads`: a float64 0-d tensor on `device`, not read. One
     multi-tensor norm per dtype, as torch's clip_grad_norm_ takes them; of a sparse gradient its coalesced values."""
-    dense = [g.coalesce().values() if g.is_sparse else g for g in grads]
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for same in _by_dtype(dense).values():
+    for same in by_dtype(applied(g) for g in grads).values():
         norms = torch.stack(torch._foreach_norm(same)).to(device=device, dtype=torch.float64)
         total = total + norms.square().sum()
     return total
@@ -61,7 +54,7 @@ def square_sum(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Ten
 def scale_(grads: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
     """Multiply every gradient by the 0-d tensor `coef` in place, on the device: one multi-tensor multiply per dtype
     (`coef` in that dtype, as torch's is in the gradients'), a sparse gradient alone."""
-    for (dev, dtype), same in _by_dtype(grads).items():
+    for (dev, dtype), same in by_dtype(grads).items():
         c = coef.to(device=dev, dtype=dtype)
         dense = [g for g in same if not g.is_sparse]
         if dense:

@@ -8,6 +8,20 @@ from collections.abc import Iterable, Sequence
 import torch
 
 
+def applied(grad: torch.Tensor) -> torch.Tensor:
+    """The values an optimizer applies: a sparse gradient's (nn.Embedding(sparse=True)) coalesced, its duplicate
+    rows summed as the optimizer sums them; a dense one itself."""
+    return grad.coalesce().values() if grad.is_sparse else grad
+
+
+def by_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """`tensors` grouped by device and dtype, in order: what one multi-tensor kernel takes."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
+
+
 def nonfinite_flag(grads: Iterable[torch.Tensor], device: torch.device,
                    ones: dict[tuple[torch.device, torch.dtype], torch.Tensor] | None = None) -> torch.Tensor:
     """float32 1. on `device` where a gradient holds NaN or inf, else 0., not read: one multi-tensor kernel per
@@ -15,12 +29,7 @@ def nonfinite_flag(grads: Iterable[torch.Tensor], device: torch.device,
     on CUDA, by max-norms (NaN kept); other dtypes (complex) per tensor. `ones`: a cache of the scale tensors."""
     ones = {} if ones is None else ones
     found = torch.zeros((), dtype=torch.float32, device=device)
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
-        if g.is_sparse:  # nn.Embedding(sparse=True): its values, duplicates summed as the optimizer will
-            g = g.coalesce().values()
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    for (gdev, dtype), same in groups.items():
+    for (gdev, dtype), same in by_dtype(applied(g) for g in grads).items():
         if dtype in (torch.float16, torch.float32, torch.float64):
             one = ones.get((gdev, dtype))
             if one is None:
