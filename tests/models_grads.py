@@ -143,22 +143,34 @@ def inplace_relu(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int 
 
 
 class EmbedMean(nn.Module):
-    """The mean of a sample's token embeddings, gradients sparse (nn.Embedding(sparse=True))."""
+    """The mean of a sample's token embeddings, gradients sparse (nn.Embedding(sparse=True)); `mean` False:
+    the embeddings themselves (their gradient, arriving from the next layer, becomes the sparse gradient's
+    values without a copy)."""
 
-    def __init__(self, vocab: int, hidden: int) -> None:
+    def __init__(self, vocab: int, hidden: int, mean: bool = True) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden, sparse=True)
+        self.mean = mean
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed(ids).mean(dim=1)
+        e = self.embed(ids)
+        return e.mean(dim=1) if self.mean else e
 
 
-def sparse_embedding(vocab: int = 20, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
-    """Layers: a sparse-gradient embedding of 4 tokens a sample, Tanh, output."""
+class Mean(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=1)
+
+
+def sparse_embedding(vocab: int = 20, hidden: int = 8, classes: int = 3, samples: int = 64,
+                     raw: bool = False) -> ModelSpec:
+    """Layers: a sparse-gradient embedding of 4 tokens a sample (with `raw`, the embeddings, then their mean as
+    a layer of its own), Tanh, output."""
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, vocab, (samples, 4), generator=g)
     y = torch.randint(0, classes, (samples,), generator=g)
-    layers: list[nn.Module] = [EmbedMean(vocab, hidden), nn.Tanh(), Out(hidden, classes)]
+    layers: list[nn.Module] = ([EmbedMean(vocab, hidden, mean=False), Mean()] if raw else [EmbedMean(vocab, hidden)])
+    layers += [nn.Tanh(), Out(hidden, classes)]
     return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=TensorDataset(ids, y))
 
 
@@ -256,4 +268,31 @@ class AddInPlace(nn.Module):
 def returned_twice(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
     """Layers: (h, h), the pair's first changed in place, output."""
     layers: list[nn.Module] = [SameTwice(d_in, hidden), AddInPlace(hidden), Out(hidden, classes)]
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
+
+
+class AppendRows(nn.Module):
+    """tanh(fc(x)) with two learned rows appended to the batch: the gradient arriving for `rows` is a contiguous
+    view of the incoming gradient, which autograd makes the parameter's .grad without a copy."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+        self.rows = nn.Parameter(torch.randn(2, hidden) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.tanh(self.fc(x)), self.rows])
+
+
+class FoldRows(nn.Module):
+    """Adds the two appended rows' sum to every sample and drops them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:-2] + x[-2:].sum(dim=0)
+
+
+def appended_rows(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
+    """Layers: input, AppendRows, FoldRows, output: split after AppendRows, stage 0's last parameter gets a view
+    of the gradient stage 1 sends back."""
+    layers: list[nn.Module] = [Inp(d_in, hidden), AppendRows(hidden), FoldRows(), Out(hidden, classes)]
     return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))

@@ -162,6 +162,21 @@ def test_parameter_accumulated_twice_in_the_last_backward_waits_for_both(mpi: Mp
     assert_same(got, reference("tests.models_grads:twice", SMALL, steps=3, microbatches=4, optimizer="sgd", lr=0.05))
 
 
+def received_gradient_kept(d: Path, schedule: str) -> Case:
+    return train(d, "tests.models_grads:appended_rows", SMALL, [(2, 1), (2, 1)], schedule=schedule, m=4, steps=3,
+                 extra=["--optimizer", "sgd", "--lr", "0.05"])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+@batched(received_gradient_kept)
+def test_a_gradient_that_is_the_received_one_is_not_overwritten(mpi: MpiRun, schedule: str):
+    """Stage 0's last layer appends a parameter's rows to its output: the gradient stage 1 sends back for them
+    becomes that parameter's .grad without a copy (a view of the receive buffer). Before, the buffer went back
+    to the receive pool after the backward and the next microbatch's gradient overwrote the .grad."""
+    want = reference("tests.models_grads:appended_rows", SMALL, steps=3, microbatches=4, optimizer="sgd", lr=0.05)
+    assert_same(saved(mpi), want)
+
+
 # ------------------------------------------------------------------ item 4: tied weights across stages
 
 
