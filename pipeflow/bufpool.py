@@ -3,10 +3,23 @@ from __future__ import annotations
 
 import torch
 
+# The number of references to a storage (torch's own tests use it). Without it no buffer is reused: a reused
+# buffer that something still reads is a silent wrong result.
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def shared(t: torch.Tensor) -> bool:
+    """Whether another tensor shares `t`'s memory: a view or a detached alias that outlives the microbatch (a
+    layer's kept input, as Transformer-XL keeps each layer's input as the next segment's memory; a gradient that
+    autograd made of the received one without a copy: a sparse embedding's values, a parameter's gradient
+    through a view). Two references are t's own and the storage object asked."""
+    return _use_count is None or int(_use_count(t.untyped_storage()._cdata)) > 2
+
 
 class BufferPool:
     """Free receive buffers by (shape, dtype). A buffer comes back (release) once the backward of its
-    microbatch has run: no graph holds it then, and no send does unless an output aliases it (`keep`)."""
+    microbatch has run: no graph holds it then, and no send does unless an output aliases it (`keep`); one whose
+    memory another tensor still shares (`shared`) is left to the allocator."""
 
     LIMIT = 64  # per shape: a schedule holds at most its in-flight microbatches' buffers
 
@@ -27,7 +40,7 @@ class BufferPool:
         (an output that passed a received tensor through, maybe still being sent) is left to the allocator."""
         held = {t.untyped_storage().data_ptr() for t in keep or [] if isinstance(t, torch.Tensor)}
         for b in bufs:
-            if b.untyped_storage().data_ptr() in held or b.grad_fn is not None:
+            if b.untyped_storage().data_ptr() in held or b.grad_fn is not None or shared(b):
                 continue
             b.requires_grad_(False)
             b.grad = None

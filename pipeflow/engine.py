@@ -184,8 +184,8 @@ class Engine:
                     reducer.arm(stage.saved[i].outputs)
                 in_grads[key] = self._backward(stage, i, posted)
                 # Received buffers are dead after B (W, where split), reused unless aliased (comm.P2P.release).
-                bufs = self._received.pop(key, []) + (posted[0] if posted else [])
-                dead[key] = (bufs, (outputs.pop(key, None) or []) + in_grads[key] + stage.grads_sharing(bufs))
+                dead[key] = (self._received.pop(key, []) + (posted[0] if posted else []),
+                             (outputs.pop(key, None) or []) + in_grads[key])
                 if self.split is Kind.B:
                     self.p2p.release(*dead.pop(key))
             elif a.kind is Kind.W:

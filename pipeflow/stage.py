@@ -29,7 +29,6 @@ from pipeflow.split import WeightGradStore, install
 from pipeflow.structure import OutputError, Tree, join, split
 
 _MASK64 = (1 << 64) - 1
-SHARING_SCANS = 16  # Stage.grads_sharing: backwards that look at every gradient for one sharing a received buffer
 
 
 def _splitmix64(x: int) -> int:
@@ -98,8 +97,6 @@ class Stage:
         self.saved: dict[int, _Saved] = {}
         self.weight_store: WeightGradStore | None = None  # set by linear_backward(split=True)
         self.trees: dict[int, Tree] = {}  # microbatch -> what surrounds its sent tensors, until sent (structure.py)
-        self._scans = SHARING_SCANS  # grads_sharing: backwards left whose every gradient is looked at
-        self._sharing: list[nn.Parameter] = []  # parameters whose gradient was found sharing a received buffer
 
     def linear_backward(self, *, split: bool, fuse: bool) -> list[str]:
         """How the stage's nn.Linear layers compute weight gradients from now on (pipeflow/split.py). `split`
@@ -187,33 +184,6 @@ class Stage:
                 assert grads is not None and len(grads) == len(saved.outputs), "gradient count mismatch"
                 torch.autograd.backward(saved.outputs, grads)
         return [t.grad if t.grad is not None else torch.zeros_like(t) for t in saved.inputs]
-
-    def grads_sharing(self, bufs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The parameters' gradients (a sparse one's values) that share memory with received buffers `bufs`, which
-        must then stay out of the receive pool (bufpool.py). Autograd makes a gradient arriving for a parameter's
-        own output its .grad without a copy where it can: a sparse embedding's gradient holds the incoming
-        gradient as its values, a parameter used through a view gets a view of it. Where that happens is the
-        model's structure, the same at every step: the first SHARING_SCANS backwards look at every gradient,
-        later ones at the parameters found then."""
-        if not bufs:
-            return []
-        if self._scans > 0:
-            self._scans -= 1
-            looked = self.parameters()
-        elif not self._sharing:
-            return []
-        else:
-            looked = self._sharing
-        mine = {b.untyped_storage().data_ptr() for b in bufs}
-        found = []
-        for p in looked:
-            g = p.grad
-            memory = None if g is None else g._values() if g.is_sparse else g
-            if memory is not None and memory.untyped_storage().data_ptr() in mine:
-                found.append(memory)
-                if all(q is not p for q in self._sharing):
-                    self._sharing.append(p)
-        return found
 
     def backward_weights(self, mb: int) -> None:
         """W of microbatch `mb`: the weight gradients its B deferred, accumulated into .grad (nothing to do

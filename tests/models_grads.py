@@ -296,3 +296,25 @@ def appended_rows(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int
     of the gradient stage 1 sends back."""
     layers: list[nn.Module] = [Inp(d_in, hidden), AppendRows(hidden), FoldRows(), Out(hidden, classes)]
     return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
+
+
+class Memory(nn.Module):
+    """Transformer-XL's recurrence in small: adds the previous microbatch's input to this layer (kept detached, as
+    the next segment's memory) to its own. First on a stage, the input it keeps is a receive buffer."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+        self.mem: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mem = self.mem if self.mem is not None and self.mem.shape == x.shape else torch.zeros_like(x)
+        if self.training:
+            self.mem = x.detach()
+        return torch.tanh(self.fc(x) + mem / 2)
+
+
+def kept_input(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
+    """Layers: input, Memory, Tanh, output: split after the input, stage 1's Memory keeps a receive buffer."""
+    layers: list[nn.Module] = [Inp(d_in, hidden), Memory(hidden), nn.Tanh(), Out(hidden, classes)]
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))

@@ -177,6 +177,10 @@ def test_receive_buffers_are_reused_unless_an_output_aliases_them(monkeypatch):
     (c, d), _ = p2p.recv(0, "F", meta=meta)
     assert c is a and d is not b and p2p.pool.reused == 1
     assert not c.requires_grad and c.grad is None
+    kept = c.detach()  # a layer kept it (Transformer-XL's memory), or a gradient is a view of it: not pooled
+    p2p.release([c, d], keep=[])
+    (e, f), _ = p2p.recv(0, "F", meta=meta)
+    assert e is not c and f is d and p2p.pool.reused == 2 and kept.data_ptr() == c.data_ptr()
 
 
 def test_cuda_span_timer_reuses_its_events_and_never_syncs_between_reports(monkeypatch):

@@ -177,6 +177,21 @@ def test_a_gradient_that_is_the_received_one_is_not_overwritten(mpi: MpiRun, sch
     assert_same(saved(mpi), want)
 
 
+def kept_input(d: Path, schedule: str) -> Case:
+    return train(d, "tests.models_grads:kept_input", SMALL, [(1, 1), (3, 1)], schedule=schedule, m=4, steps=3,
+                 extra=["--optimizer", "sgd", "--lr", "0.05"])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@batched(kept_input)
+def test_a_layer_that_keeps_its_input_reads_it_unchanged(mpi: MpiRun, schedule: str):
+    """Stage 1's first layer keeps its input (a receive buffer) detached, as Transformer-XL keeps its memory, and
+    reads it at the next microbatch. Before, the buffer went back to the receive pool after its backward and a
+    later receive overwrote what the layer kept."""
+    want = reference("tests.models_grads:kept_input", SMALL, steps=3, microbatches=4, optimizer="sgd", lr=0.05)
+    assert_same(saved(mpi), want)
+
+
 # ------------------------------------------------------------------ item 4: tied weights across stages
 
 
