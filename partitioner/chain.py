@@ -155,11 +155,11 @@ def layer_bytes(stats: dict[str, Any]) -> int:
     return 2 * stats["parameter_bytes"] + stats["activation_bytes"] + 2 * stats["output_bytes"]
 
 
-def windows(layers: list[dict[str, Any]], dev: torch.device) -> Iterator[tuple[int, int]]:
+def windows(layers: list[dict[str, Any]], dev: torch.device, copies: int = 1) -> Iterator[tuple[int, int]]:
     """[start, end) of consecutive layers (their profile_layer numbers) whose bytes fit in half the device's free
     memory (on CPU a quarter of the machine's), in order; a layer larger than that is a window of its own."""
     free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else machine_bytes(dev)[0] // 2
-    budget = free // 2
+    budget = free // (2 * copies)  # `copies` of each window's layers are resident at once
     start = 0
     while start < len(layers):
         end, need = start + 1, layer_bytes(layers[start])
@@ -174,21 +174,34 @@ def fastest_round(layers: Sequence[Any], x: Any, device: torch.device, *, warmup
                   loss: Loss | None = None) -> tuple[ChainTimes, float]:
     """time_chain `rounds` times, ROUND_GAP_S apart: the round whose median pass took least, and the slowest
     round's median pass over it (how far the host's pace moved)."""
-    kept: list[tuple[float, ChainTimes]] = []
+    return fastest_rounds([layers], x, device, warmup=warmup, repeats=repeats, rounds=rounds, losses=[loss])[0]
+
+
+def fastest_rounds(variants: Sequence[Sequence[Any]], x: Any, device: torch.device, *, warmup: int, repeats: int,
+                   rounds: int, losses: Sequence[Loss | None]) -> list[tuple[ChainTimes, float]]:
+    """fastest_round of each variant of the same layers (autograd's accumulation and the GEMM's), their rounds
+    taken in turn: each variant meets the host's pace of the same seconds. Timed one after the other, the first
+    could meet only a slow spell and the second only a fast one (2 x H200: forwards of 17.9 ms under autograd's
+    5 rounds, 9.7 ms under the GEMM's 5 after them), and the plan would price the wrong one."""
+    kept: list[list[tuple[float, ChainTimes]]] = [[] for _ in variants]
     for r in range(rounds):
         if r:
             time.sleep(ROUND_GAP_S)
-        times = time_chain(layers, x, device, warmup=warmup, repeats=repeats, loss=loss)
-        kept.append((statistics.median(times.passes), times))
-    fastest = min(kept, key=lambda k: k[0])
-    slowest = max(k[0] for k in kept)
-    return fastest[1], slowest / fastest[0] if fastest[0] > 0 else 1.0
+        for mine, layers, loss in zip(kept, variants, losses, strict=True):
+            times = time_chain(layers, x, device, warmup=warmup, repeats=repeats, loss=loss)
+            mine.append((statistics.median(times.passes), times))
+    out = []
+    for mine in kept:
+        fastest = min(mine, key=lambda k: k[0])
+        slowest = max(k[0] for k in mine)
+        out.append((fastest[1], slowest / fastest[0] if fastest[0] > 0 else 1.0))
+    return out
 
 
 def time_as_a_stage(spec: ModelSpec, layers: list[dict[str, Any]], x: Any, dev: torch.device,
                      dtype: torch.dtype | None, *, warmup: int, repeats: int, fuse: bool = False,
-                     target: Any = None, rounds: int = 1,
-                     warnings: list[str] | None = None) -> tuple[list[float], float | None]:
+                     target: Any = None, rounds: int = 1, warnings: list[str] | None = None,
+                     twin: list[dict[str, Any]] | None = None) -> tuple[list[float], float | None]:
     """--timing stage: replace each layer's forward and backward times in `layers` (profile_layer's numbers)
     with time_chain's, run over windows of consecutive layers whose bytes fit in half the free memory
     (a model too large for the device is timed a window at a time; the first layer of a window starts
@@ -196,30 +209,41 @@ def time_as_a_stage(spec: ModelSpec, layers: list[dict[str, Any]], x: Any, dev: 
     `fuse`: nn.Linear layers accumulate inside their GEMM (sandbox_copy). With `target` the last window ends
     with the model's loss on it. Returns the passes' totals, for the repeat spread, and the loss's median ms
     (None without `target`). Each window is timed `rounds` times; its fastest round is kept (fastest_round), and
-    rounds that disagree by more than NOISY_SPREAD append a line to `warnings`."""
+    rounds that disagree by more than NOISY_SPREAD append a line to `warnings`. `twin` (a copy of `layers`) gets
+    the same layers' times with the GEMM accumulating (fuse=True), their rounds in turn with these
+    (fastest_rounds)."""
     passes: list[float] = []
     loss_ms, moved = None, 1.0
-    for start, end in windows(layers, dev):
-        works = [sandbox_copy(layer, dev, dtype, fuse=fuse) for layer in spec.layers[start:end]]
+    for start, end in windows(layers, dev, copies=2 if twin is not None else 1):
+        variants = [[sandbox_copy(layer, dev, dtype, fuse=f) for layer in spec.layers[start:end]]
+                    for f in ([fuse, True] if twin is not None else [fuse])]
         ends_model = target is not None and end == len(layers)
-        times, ratio = fastest_round(works, x, dev, warmup=warmup, repeats=repeats, rounds=rounds,
-                                     loss=(spec.loss_fn, target) if ends_model else None)
-        moved = max(moved, ratio)
-        del works
+        timed = fastest_rounds(variants, x, dev, warmup=warmup, repeats=repeats, rounds=rounds,
+                               losses=[(spec.loss_fn, target) if ends_model else None, None][:len(variants)])
+        moved = max(moved, timed[0][1])
+        del variants
         free_cached(dev)
+        times = timed[0][0]
         x = times.output
         passes = [a + b for a, b in zip(passes, times.passes)] if passes else times.passes
         if times.loss:
             loss_ms = statistics.median(times.loss)
-        for stats, f, b, a in zip(layers[start:end], times.forward, times.backward, times.accumulate):
-            share = stats["backward_weight_ms"] / stats["backward_ms"] if stats.get("backward_weight_ms") else None
-            stats["forward_ms"] = statistics.median(f)
-            stats["backward_ms"] = statistics.median(b)
-            stats["backward_accumulate_ms"] = statistics.median(a)
-            if share is not None:
-                stats["backward_weight_ms"] = share * stats["backward_ms"]
+        for into, (got, _) in zip([layers, twin], timed):
+            assert into is not None
+            _keep(into[start:end], got)
     if moved > NOISY_SPREAD and warnings is not None:
         warnings.append(f"the host's pace moved between the {rounds} timing rounds: the slowest took {moved:.2f} x "
                         f"the fastest, which the profile keeps (warning above {NOISY_SPREAD}). Where the host sets "
                         "the pace (small microbatches on a GPU), training may run slower than planned")
     return passes, loss_ms
+
+
+def _keep(stats: list[dict[str, Any]], times: ChainTimes) -> None:
+    """Each layer's medians from `times` into its stats; its share of the backward's weight gradients kept."""
+    for st, f, b, a in zip(stats, times.forward, times.backward, times.accumulate):
+        share = st["backward_weight_ms"] / st["backward_ms"] if st.get("backward_weight_ms") else None
+        st["forward_ms"] = statistics.median(f)
+        st["backward_ms"] = statistics.median(b)
+        st["backward_accumulate_ms"] = statistics.median(a)
+        if share is not None:
+            st["backward_weight_ms"] = share * st["backward_ms"]

@@ -126,17 +126,16 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
             loss_mem = loss_bytes(spec.loss_fn, x, target, dev)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ProfileError(f"the model's loss failed on the last layer's output: {e}") from None
-        chain = None
+        chain, twin = None, None
+        linears = any(splittable(m) for layer in spec.layers for m in layer.modules())  # else gemm changes nothing
+        if timing == "stage" and linears and "PIPEFLOW_GRAD_ACCUM" not in os.environ and (
+                gemm if gemm is not None else dev.type == "cuda"):  # the knob set: the ranks accumulate its way
+            twin = [dict(s) for s in layers]  # gemm accumulation's times, timed in turn with autograd's
         if timing == "stage":  # the loss as the last stage pays it, after its layers, over time_loss's alone
             chain, in_chain = time_as_a_stage(spec, layers, first, dev, torch_dtype, warmup=warmup, repeats=repeats,
-                                              fuse=fuse, target=target, rounds=rounds, warnings=warnings)
+                                              fuse=fuse, target=target, rounds=rounds, warnings=warnings, twin=twin)
             loss_ms = loss_ms if in_chain is None else in_chain
-        linears = any(splittable(m) for layer in spec.layers for m in layer.modules())  # else gemm changes nothing
-        if chain is not None and linears and "PIPEFLOW_GRAD_ACCUM" not in os.environ and (
-                gemm if gemm is not None else dev.type == "cuda"):  # the knob set: the ranks accumulate its way
-            twin = [dict(s) for s in layers]
-            time_as_a_stage(spec, twin, first, dev, torch_dtype, warmup=warmup, repeats=repeats, fuse=True,
-                            rounds=rounds)
+        if twin is not None:
             for s, t in zip(layers, twin):
                 s.update({f"{k.removesuffix('_ms')}_gemm_ms": t[k]
                           for k in ("forward_ms", "backward_ms", "backward_accumulate_ms")})

@@ -271,3 +271,30 @@ def test_rounds_default_by_device_and_are_checked() -> None:
     with pytest.raises(ProfileError, match=r"^--rounds must be >= 1, found 0$"):
         profiler.profile_model(_spec([SleepLayer(0.0, 0.0)]), 2, warmup=0, repeats=1, optimizer=None,
                                timing="stage", rounds=0)
+
+
+def test_both_accumulations_are_timed_in_turn_through_the_host_s_spells(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Autograd's and the GEMM's accumulation (gemm=True, as on CUDA) are timed round by round in turn, so both meet
+    the host's pace of the same seconds. A slow spell over the first three chain timings: timed one way after the
+    other (before), autograd's three rounds all fell in it and its times came out 20 ms slow, the GEMM's fast, and
+    the planner priced autograd's plan on the slow numbers (2 x H200: forwards of 17.9 ms against 9.7)."""
+    real, paces, order = chain.time_chain, [20.0, 20.0, 20.0, 0.0, 0.0, 0.0], []
+
+    def paced(layers: Any, *args: Any, **kwargs: Any) -> Any:
+        PACE["extra_ms"] = paces[len(order)]
+        order.append(len(order))
+        return real(layers, *args, **kwargs)
+
+    monkeypatch.setattr(chain, "time_chain", paced)
+    monkeypatch.setattr(chain, "ROUND_GAP_S", 0.0)
+    data = TensorDataset(torch.randn(16, 4), torch.zeros(16))
+    spec = ModelSpec([PacedLayer(1.0, 1.0), PacedLayer(1.0, 1.0)], slow_loss(2.0, 2.0), data, name="paced")
+    try:
+        prof = profiler.profile_model(spec, 2, warmup=1, repeats=1, optimizer=None, timing="stage", rounds=3,
+                                      gemm=True)
+    finally:
+        PACE["extra_ms"] = 0.0
+    assert len(order) == 6
+    for lay in prof.layers:
+        assert lay.forward_gemm_ms is not None
+        assert lay.forward_ms < 1.0 + SLACK_MS and lay.forward_gemm_ms < 1.0 + SLACK_MS, lay
