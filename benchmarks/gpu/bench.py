@@ -29,6 +29,8 @@ Rows (';'-separated), every one at --sequences per optimizer step (default 64):
     ... env:NAME=VALUE              pf/big rows: the environment variable set for pipeflow-train (any number of them,
                                     e.g. env:PIPEFLOW_REDUCE_LATE=0 env:NCCL_MAX_NCHANNELS=2)
     ... clip=MAX                    pf/big rows: pipeflow-train --clip-grad-norm MAX
+    ... card=GIB                    pf/big rows: each rank held to GIB GiB of its GPU (benchmarks/gpu/card.py: 79.1
+                                    for an 80 GB H100 on a bigger card); the row shows the peak in use per rank
     ... busy                        pf/big rows: profiled with pipeflow-profile --ranks-per-host N (how much a
                                     companion running the model on every other GPU slows the passes: contention)
     ... trace                       pf/big rows: pipeflow-train --trace, then per rank the ms per step in each
@@ -325,7 +327,8 @@ class Bench:
            mem_gib: float | None = None, sizes: str | None = None, trace: bool = False, cal: bool = False,
            timing: str = "default", warmup: str | None = None, straight: bool = False,
            p2p: str | None = None, accum: str | None = None, busy: bool = False, shard: bool = False,
-           flat: bool = False, env: dict[str, str] | None = None, clip: str | None = None) -> None:
+           flat: bool = False, env: dict[str, str] | None = None, clip: str | None = None,
+           card: float | None = None) -> None:
         """A pipeflow-train row. With `sizes` (a gb row) the profile holds those microbatch sizes and
         pipeflow-plan --global-batch picks b, m and the split; mb and m are then what it picked."""
         cfg = self.big if big else self.gpt
@@ -338,7 +341,8 @@ class Bench:
                + (f"-warmup{warmup.replace(',', '_')}" if warmup else "") + ("-straight" if straight else "")
                + (f"-{p2p}" if p2p else "") + (f"-accum{accum}" if accum else "") + ("-busy" if busy else "")
                + ("-shard" if shard else "") + ("-flat" if flat else "") + ("-trace" if trace else "")
-               + "".join(f"-{k}{v}" for k, v in (env or {}).items()) + (f"-clip{clip}" if clip else ""))
+               + "".join(f"-{k}{v}" for k, v in (env or {}).items()) + (f"-clip{clip}" if clip else "")
+               + (f"-card{card:g}" if card else ""))
         name = (f"pipeflow {schedule}" + (" (large model)" if big else "")
                 + (f", {GRAINS[grain]} layers" if grain else "") + (f", clipped at {clip}" if clip else ""))
         flags = (["--schedule", schedule] + (["--warmup", warmup] if warmup else [])
@@ -364,7 +368,9 @@ class Bench:
                     mb, m = int(plan["planner"]["microbatch_size"]), int(plan["microbatches"])
                 if prof is not None and not cal:
                     calibrated = self.calibrated_ms(prof, path, tag, timing)
-        cmd = ["mpirun", "-np", str(self.n), sys.executable, "-m", "pipeflow.train", "--model", "gpt", "--model-args",
+        held = ([str(ROOT / "benchmarks/gpu/card.py"), f"{card:g}", "pipeflow.train"] if card
+                else ["-m", "pipeflow.train"])
+        cmd = ["mpirun", "-np", str(self.n), sys.executable, *held, "--model", "gpt", "--model-args",
                json.dumps(cfg), "--device", self.device, "--dtype", self.dtype, "--optimizer", "adam", "--lr", "1e-4",
                "--steps", str(self.a.steps), "--log-every", str(max(1, self.a.steps // 3)),
                "--microbatch-size", str(mb), "--microbatches", str(m), *flags]
@@ -410,6 +416,10 @@ class Bench:
             how += f", PIPEFLOW_GRAD_ACCUM={accum}"
         if busy:
             how += ", profiled beside busy GPUs"
+        if card:
+            used = sorted(re.findall(r"CARD rank (\d+) .*peak in use ([0-9.]+) GiB(.*)", out))
+            how += (f", held to {card:g} GiB per GPU: peak in use " + "/".join(u for _, u, _ in used)
+                    + (" (OVER)" if any("over" in x for _, _, x in used) else ""))
         if trace:
             how += ", --trace" + (" (calibrates the later rows)" if cal else "")
         self.add(name, how + (f" {shown}" if shown != split else "") + note, self.n, rc, out, cfg,
@@ -480,17 +490,19 @@ class Bench:
                     p2p = [x[4:] for x in extra if x.startswith("p2p=")]
                     accum = [x[6:] for x in extra if x.startswith("accum=")]
                     clip = [x[5:] for x in extra if x.startswith("clip=")]
+                    card = [float(x[5:]) for x in extra if x.startswith("card=")]
                     words = (*GRAINS, "trace", "cal", "straight", "shard", "busy", "flat", *TIMED,
                              *P2P_WORDS, *ACCUM_WORDS)
                     envs = dict(x[4:].split("=", 1) for x in extra if x.startswith("env:") and "=" in x[5:])
-                    bad = [x for x in extra if x not in words and not x.startswith(("mem=", "warmup=", "clip="))
+                    bad = [x for x in extra if x not in words
+                           and not x.startswith(("mem=", "warmup=", "clip=", "card="))
                            and not (x.startswith("env:") and "=" in x[5:])]
                     if (bad or ((mem or {"straight", "shard"} & set(extra)) and w[4] != "plan")
                             or (w[4] == "spot" and {"cal", "busy", *TIMED} & set(extra))
                             or len(set(TIMED) & set(extra)) > 1 or len(set(GRAINS) & set(extra)) > 1
-                            or len(warm) > 1 or len(p2p) > 1 or len(accum) > 1 or len(clip) > 1):
+                            or len(warm) > 1 or len(p2p) > 1 or len(accum) > 1 or len(clip) > 1 or len(card) > 1):
                         raise ValueError(f"after the split a {w[0]} row takes 'sub' or 'fine', 'trace', 'cal', "
-                                         f"'busy', 'flat', 'env:NAME=VALUE', 'clip=MAX', one of "
+                                         f"'busy', 'flat', 'env:NAME=VALUE', 'clip=MAX', 'card=GIB', one of "
                                          f"{', '.join(TIMED)} (not with 'spot'), 'warmup=W', one of "
                                          f"{', '.join(P2P_WORDS)}, one of {', '.join(ACCUM_WORDS)} and, with "
                                          f"'plan', 'mem=GIB', 'straight' and 'shard'; found {' '.join(extra)!r}")
@@ -499,7 +511,7 @@ class Bench:
                             timing=_timing(extra), warmup=warm[0] if warm else None, straight="straight" in extra,
                             shard="shard" in extra, flat="flat" in extra, env=envs,
                             p2p=p2p[0] if p2p else None, accum=accum[0] if accum else None, busy="busy" in extra,
-                            clip=clip[0] if clip else None)
+                            clip=clip[0] if clip else None, card=card[0] if card else None)
                 elif w[0] == "gb":
                     extra = w[3:]
                     mem = [float(x[4:]) for x in extra if x.startswith("mem=")]
