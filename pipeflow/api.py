@@ -43,7 +43,8 @@ class BatchFeed:
     def set(self, step: int, x: Any, target: Any) -> None:
         leaves, spec = tree_flatten(x)
         if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
-            raise TypeError(f"{self.caller}: x must be a tensor or a tuple/list of tensors, found {type(x).__name__}")
+            raise TypeError(f"{self.caller}: x must be a tensor or a tuple, list or dict of tensors, found "
+                            f"{type(x).__name__}")
         size = leaves[0].shape[0] if leaves[0].dim() else 0
         if size < 1 or size % self.m or any(t.dim() == 0 or t.shape[0] != size for t in leaves):
             raise ValueError(f"{self.caller}: the minibatch must split into {self.m} microbatches of equal size "

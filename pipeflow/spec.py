@@ -142,12 +142,14 @@ def _check_samples(dataset: Any, model: str, what: str = "dataset") -> None:
         sample = dataset[0]
     except Exception as e:  # noqa: BLE001 (the user's __getitem__: whatever it raises, one line)
         raise ModelError(f"model {model!r}: its {what}'s sample 0 cannot be read: {type(e).__name__}: {e}") from None
-    expected = (f"model {model!r}: its {what}'s samples must be (input, target) pairs, each a tensor, a number or a "
-                "tuple of them")
+    expected = (f"model {model!r}: its {what}'s samples must be (input, target) pairs, each a tensor, a number, or a "
+                "tuple or dict of them")
     try:
         batched = collate([sample])  # a tuple per part of a tuple or list sample
     except TypeError as e:
         raise ModelError(f"{expected}; sample 0: {e}") from None
     if not (isinstance(batched, tuple) and len(batched) == 2):
-        found = f"has {len(batched)} parts" if isinstance(batched, tuple) else f"is a {type(sample).__name__}"
+        found = (f"has {len(batched)} parts" if isinstance(batched, tuple) else f"is a {type(sample).__name__}"
+                 + (" (return (inputs, target) from __getitem__; inputs may be a dict)" if isinstance(sample, dict)
+                    else ""))
         raise ModelError(f"{expected}; sample 0 {found}")

@@ -145,3 +145,48 @@ def witness_mlp(log: str, layers: int = 3, d: int = 16, samples: int = 64, only_
     x = torch.randn(samples, d, generator=g)
     return ModelSpec(layers=[Witness(d, log, die_unless_pid) for _ in range(layers)], loss_fn=F.mse_loss,
                      dataset=TensorDataset(x, torch.tanh(x)))
+
+
+class _TokenDicts(torch.utils.data.Dataset):
+    """Samples ({"input_ids", "attention_mask", "scale"}, label), as Hugging Face datasets give their inputs."""
+
+    def __init__(self, samples: int, vocab: int, tokens: int, classes: int) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.ids = torch.randint(0, vocab, (samples, tokens), generator=g)
+        self.mask = torch.rand(samples, tokens, generator=g) > 0.3
+        self.scale = torch.rand(samples, generator=g) + 0.5  # a float input: cast to the model's dtype
+        self.y = self.ids.sum(dim=1) % classes
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "scale": self.scale[i]}, self.y[i]
+
+
+class MaskedMean(nn.Module):
+    """The attention mask's mean of the token embeddings, times the sample's scale."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        mask = batch["attention_mask"].to(self.embed.weight.dtype)[..., None]
+        mean = (self.embed(batch["input_ids"]) * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        return mean * batch["scale"][:, None]
+
+
+class Tanh(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+def dict_input(vocab: int = 30, tokens: int = 5, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
+    """A dict input (input ids, an attention mask, a float scale per sample), then 2 Tanh layers and a head."""
+    layers: list[nn.Module] = [MaskedMean(vocab, hidden), Tanh(hidden), Tanh(hidden), nn.Linear(hidden, classes)]
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_TokenDicts(samples, vocab, tokens, classes))

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from pipeflow import checkpoint, restore
 from pipeflow.data.loader import MicrobatchLoader
@@ -41,7 +42,8 @@ def reference(model: str, model_args: dict, *, steps: int, microbatches: int, op
         opt.zero_grad(set_to_none=True)
         for i in range(microbatches):
             x, y = loader.microbatch(k * microbatches + i)
-            (spec.loss_fn(net(x.double()), y) / microbatches).backward()
+            x = tree_map(lambda t: t.double() if t.is_floating_point() else t, x)  # a dict input's too
+            (spec.loss_fn(net(x), y) / microbatches).backward()
         opt.step()
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 

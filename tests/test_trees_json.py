@@ -74,10 +74,11 @@ def test_first_stage_input_lists_become_tuples_and_non_tensors_pass() -> None:
     marker = {"k": torch.zeros(1)}
     moved = to_device([x, [y, 7], Pair(x, y), marker], CPU)
     assert type(moved) is tuple and type(moved[1]) is tuple and type(moved[2]) is tuple
-    assert moved[1][1] == 7 and moved[3] is marker  # a dict is a leaf: passed as it is, as before
+    assert moved[1][1] == 7 and type(moved[3]) is dict and list(moved[3]) == ["k"]  # a dict input is walked into
     torch.testing.assert_close(moved[0], x)
     cast = _cast_floats(moved, torch.float32)
     assert cast[0].dtype == torch.float32 and cast[1][0].dtype == torch.int64 and cast[2][1] is moved[2][1]
+    assert _cast_floats({"k": x}, torch.float32)["k"].dtype == torch.float32  # its floats cast to the model's
     assert to_device(5, CPU) == 5 and _cast_floats("s", torch.float32) == "s"
 
 
@@ -106,6 +107,20 @@ def test_loader_collate_differs_from_default_collate_as_documented() -> None:
     with pytest.raises(TypeError, match="cannot batch samples of type str"):
         collate(["a", "b"])
     assert default_collate(["a", "b"]) == ["a", "b"]
+    # a dict input (Hugging Face style) is batched key by key, in the first sample's key order, as torch does
+    dicts = [({"ids": torch.tensor([i, i]), "scale": 0.5 * i}, i) for i in range(3)]
+    ours, theirs = collate(dicts), default_collate(dicts)
+    assert list(ours[0]) == list(theirs[0]) == ["ids", "scale"]
+    for k in ("ids", "scale"):
+        assert torch.equal(ours[0][k], theirs[0][k].to(ours[0][k].dtype))
+    with pytest.raises(TypeError, match=r"samples of one microbatch must have the same dict keys: expected \['ids', "
+                                        r"'scale'\], found \['ids'\]"):
+        collate([{"ids": torch.ones(1), "scale": 1.0}, {"ids": torch.ones(1)}])
+
+
+def test_loader_signature_reads_a_dict_input_s_tensors_in_key_order() -> None:
+    data = [({"ids": torch.ones(5, dtype=torch.long), "mask": torch.ones(5, dtype=torch.bool), "s": 1.0}, 0)] * 4
+    assert MicrobatchLoader(data, 2).signature(1) == ((2, 5), (2, 5), (2,))
 
 
 def test_loader_signature_counts_numbers_as_scalars() -> None:

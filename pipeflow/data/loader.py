@@ -9,15 +9,25 @@ from torch.utils.data import Dataset
 
 
 def collate(items: list[Any]) -> Any:
-    """Stack a list of samples; tuples and lists are stacked element-wise."""
+    """Stack a list of samples; tuples and lists are stacked element-wise, dicts key by key (the first sample's
+    keys, in its order: a Hugging Face style {"input_ids": ..., "attention_mask": ...} input)."""
     first = items[0]
     if isinstance(first, torch.Tensor):
         return torch.stack(items)
     if isinstance(first, (tuple, list)):
         return tuple(collate([it[k] for it in items]) for k in range(len(first)))
+    if isinstance(first, dict):
+        keys = list(first)
+        for it in items[1:]:
+            if not isinstance(it, dict) or list(it) != keys:
+                found = sorted(it) if isinstance(it, dict) else type(it).__name__
+                raise TypeError(f"samples of one microbatch must have the same dict keys: expected {keys}, found "
+                                f"{found}")
+        return {k: collate([it[k] for it in items]) for k in keys}
     if isinstance(first, (int, float)):
         return torch.tensor(items)
-    raise TypeError(f"cannot batch samples of type {type(first).__name__}; expected tensors or tuples of tensors")
+    raise TypeError(f"cannot batch samples of type {type(first).__name__}; expected tensors or tuples or dicts of "
+                    "tensors")
 
 
 class MicrobatchLoader:
@@ -92,5 +102,6 @@ def _to(t: Any, device: torch.device | None) -> Any:
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
-    """A sample's tensors in order (a tensor or nested tuples/lists of them); a number counts as a 0-d tensor."""
-    return [torch.as_tensor(v) for v in tree_leaves(x, is_leaf=lambda v: not isinstance(v, (tuple, list)))]
+    """A sample's tensors in order (a tensor or nested tuples, lists and dicts of them); a number counts as a 0-d
+    tensor."""
+    return [torch.as_tensor(v) for v in tree_leaves(x, is_leaf=lambda v: not isinstance(v, (tuple, list, dict)))]
