@@ -19,6 +19,7 @@ from pipeflow.cesetup import setup as setup_copy_engines
 from pipeflow.control import META_TAG  # the shape/dtype messages; MPI keeps one (source, tag)'s in order
 from pipeflow.cudaenv import eager_cuda_modules
 from pipeflow.hostmem import keep_freed_host_memory
+from pipeflow.structure import shape_change
 from pipeflow.turns import Turns
 
 log = logging.getLogger(__name__)
@@ -207,11 +208,8 @@ class P2P:
             if cached is None:
                 self.world.mpi.send(pickle.dumps(meta), dest=dst, tag=META_TAG)
                 self.meta_cache[key] = meta
-            elif cached != meta:
-                raise RuntimeError(
-                    f"rank {self.world.rank}: outputs sent to rank {dst} changed from {cached} to {meta} for "
-                    f"inputs of the same shape {signature}; the tensors between stages must be a function of "
-                    "the input shapes")
+            elif cached != meta:  # one line, exit 2 (train.py): the model's, not the runtime's, error
+                raise shape_change(dst, cached, meta, signature)
         key = (self.world.rank, dst, direction)
         group = self._group(*key)
         bufs = [t.detach().contiguous() for t in tensors]

@@ -26,6 +26,18 @@ class OutputError(UsageError):
     runtime (a split given by hand) at the first forward, each in one line."""
 
 
+def shape_change(dst: int, before: Any, now: Any, signature: Any) -> OutputError:
+    """The error for tensors between stages whose shapes changed for inputs of the same shapes (comm.P2P's meta,
+    sent once per input signature: the receiver posts its receives from it). A data-dependent shape (x[mask]) does
+    that; DeepSpeed's and torch's pipelines require static shapes between stages too."""
+    def shapes(meta: Any) -> str:
+        return ", ".join(f"{tuple(s)} {str(d).removeprefix('torch.')}" for s, d, _ in meta[0])
+    return OutputError(f"the tensors sent to rank {dst} changed from [{shapes(before)}] to "
+                       f"[{shapes(now)}] (or their structure) for inputs of the same shapes {signature}; what crosses "
+                       "a stage boundary must depend on the input's shapes only: keep a data-dependent shape, as "
+                       "x[mask], inside a stage, or pad it")
+
+
 def split(out: Any) -> tuple[list[torch.Tensor], Tree]:
     """A layer's output as the tensors to send, depth first, and its structure (None when the receiver needs none)."""
     if isinstance(out, torch.Tensor):  # the common case, without the walk: host time at every forward

@@ -386,3 +386,28 @@ def test_peak_tflops_must_be_positive():
     with pytest.raises(ConfigError, match=r"^--peak-tflops must be > 0 TFLOP/s, found 0.0$"):
         check_args(args)
     check_args(build_parser().parse_args(["--peak-tflops", "989"]))
+
+
+def test_tensors_between_stages_whose_shapes_follow_the_data_are_refused_in_one_line(monkeypatch):
+    """A layer that keeps a data-dependent number of rows (x[mask]) sends other shapes for inputs of the same shapes:
+    the receiver, told the shapes once per input signature, would post the wrong receive. Refused at that send as
+    the model's error (structure.OutputError: one line, exit 2, train.py); before, a RuntimeError and its traceback,
+    exit 1."""
+    import pipeflow.comm as comm
+    from pipeflow.structure import OutputError
+
+    sent: list[bytes] = []
+    monkeypatch.setattr(comm, "_batched", lambda op, bufs, peer, group: ["work"])
+    mpi = SimpleNamespace(send=lambda data, dest, tag: sent.append(data))
+    world = SimpleNamespace(rank=0, device=torch.device("cpu"), mpi=mpi)
+    p2p = comm.P2P(world, {(0, 1, "F"): "group"})  # type: ignore[arg-type]
+    monkeypatch.setattr(p2p, "_reap", lambda: None)
+    p2p.send([torch.ones(4, 8, dtype=torch.float64)], 1, "F", signature=((4, 8),))
+    p2p.send([torch.ones(4, 8, dtype=torch.float64)], 1, "F", signature=((4, 8),))  # the same: no new meta
+    assert len(sent) == 1
+    with pytest.raises(OutputError) as e:
+        p2p.send([torch.ones(2, 8, dtype=torch.float64)], 1, "F", signature=((4, 8),))
+    assert str(e.value) == (
+        "the tensors sent to rank 1 changed from [(4, 8) float64] to [(2, 8) float64] (or their structure) "
+        "for inputs of the same shapes ((4, 8),); what crosses a stage boundary must depend on the input's shapes "
+        "only: keep a data-dependent shape, as x[mask], inside a stage, or pad it")
