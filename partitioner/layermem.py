@@ -87,10 +87,12 @@ def sandbox_copy(layer: nn.Module, device: torch.device, dtype: torch.dtype | No
 
 
 def check_microbatch_fits(spec: ModelSpec, microbatch_size: int, device: torch.device,
-                           dtype: torch.dtype | None, seed: int) -> None:
+                           dtype: torch.dtype | None, seed: int, *, inputs: torch.dtype | None = None) -> None:
     """Refuse, before collating it, a microbatch that cannot fit (issue 11). Rule: measured on a probe of
     min(b, 2) samples and scaled linearly to b, (1) the microbatch's input and target must fit in host RAM
-    and (2) the largest layer's input + output + saved activations must fit in the device's memory."""
+    and (2) the largest layer's input + output + saved activations must fit in the device's memory. `dtype`
+    (--dtype) casts the layers, None keeps each its own (a float32 layer inside a float64 model stays float32);
+    `inputs` (default `dtype`) the microbatch's floating tensors."""
     n = min(microbatch_size, 2)
     x, y = MicrobatchLoader(spec.dataset, n, seed=seed).microbatch(0)
     host = (nbytes(x) + nbytes(y)) * microbatch_size // n
@@ -100,7 +102,7 @@ def check_microbatch_fits(spec: ModelSpec, microbatch_size: int, device: torch.d
                            f"{host / 2**30:.1f} GiB ({(host * n // microbatch_size)} bytes per {n} samples) but "
                            f"this machine has {ram / 2**30:.1f} GiB of RAM; use a smaller --microbatch-size")
     need = 0
-    x = cast_floats_to(x, dtype)
+    x = cast_floats_to(x, dtype if inputs is None else inputs)
     for layer in spec.layers:
         work = sandbox_copy(layer, device, dtype)
         x = prepare_input(x, device, None)

@@ -107,7 +107,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     timer = Timer(dev, held=timing != "idle")  # the loss and the optimizer step: after other work in a stage
     # fork_rng restores the CPU and this GPU's generators
     with torch.random.fork_rng(devices=cuda_devices), as_a_rank(dev, threads):
-        check_microbatch_fits(spec, microbatch_size, dev, in_dtype, seed)
+        check_microbatch_fits(spec, microbatch_size, dev, torch_dtype, seed, inputs=in_dtype)
         x, y = MicrobatchLoader(spec.dataset, microbatch_size, seed=seed).microbatch(0)
         x = cast_floats_to(x, in_dtype)
         first = x

@@ -343,3 +343,26 @@ def test_the_profile_times_a_weight_copy_with_the_optimizer():
     assert Profile.from_json(json.loads(json.dumps(prof.to_json()))).copy_ms_per_byte == prof.copy_ms_per_byte
     alone = profile_model(spec, 4, "cpu", warmup=0, repeats=1, optimizer=None)
     assert alone.copy_ms_per_byte is None and "copy_ms_per_byte" not in alone.to_json()
+
+
+class _Float32Inside(torch.nn.Module):
+    """A float32 layer inside a float64 model: casts its input, returns float64 (a mixed-precision block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x.float())).double()
+
+
+def test_a_layer_of_its_own_dtype_is_profiled_in_it() -> None:
+    """Without --dtype every layer keeps its own dtype, in the profile as in training (a stage casts nothing but the
+    first stage's inputs). Before, the profiler's memory probe cast every layer to the first one's dtype, and the
+    float32 layer failed ("mat1 and mat2 must have the same dtype"): planning on the spot stopped the run."""
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4, dtype=torch.float64), torch.zeros(8, dtype=torch.long))
+    layers = [torch.nn.Linear(4, 4).double(), _Float32Inside(), torch.nn.Linear(4, 2).double()]
+    prof = profile_model(ModelSpec(layers, torch.nn.functional.cross_entropy, data, name="mixed"), 2, "cpu",
+                         warmup=0, repeats=1)
+    assert len(prof.layers) == 3 and layers[1].fc.weight.dtype == torch.float32
+    assert prof.layers[1].parameter_bytes == (4 * 4 + 4) * 4  # counted in its own dtype (float32)
