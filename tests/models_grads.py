@@ -318,3 +318,14 @@ def kept_input(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 
     """Layers: input, Memory, Tanh, output: split after the input, stage 1's Memory keeps a receive buffer."""
     layers: list[nn.Module] = [Inp(d_in, hidden), Memory(hidden), nn.Tanh(), Out(hidden, classes)]
     return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
+
+
+def frozen_prefix(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64, frozen: int = 2) -> ModelSpec:
+    """Fine-tuning: input, 3 hidden layers and an output, the first `frozen` layers' parameters requires_grad=False
+    (plus the last hidden layer's bias)."""
+    layers: list[nn.Module] = [Inp(d_in, hidden), Inp(hidden, hidden), Inp(hidden, hidden), Inp(hidden, hidden),
+                               Out(hidden, classes)]
+    for layer in layers[:frozen]:
+        layer.requires_grad_(False)
+    layers[3].fc.bias.requires_grad_(False)
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))

@@ -144,6 +144,7 @@ def reference_delayed(model: str, model_args: dict[str, Any], *, schedule: str, 
             else None for mod in mods]  # a stage of activations only has nothing to update
     history = [[{k: v.detach().clone() for k, v in mod.named_parameters()}] for mod in mods]
     pending: list[dict[str, torch.Tensor]] = [{} for _ in mods]
+    trains = [{k: p.requires_grad for k, p in mod.named_parameters()} for mod in mods]  # frozen: False
     loader = MicrobatchLoader(spec.dataset, microbatch_size, seed=seed)
     seg_start = 0
     for t in range(steps * microbatches):
@@ -155,7 +156,7 @@ def reference_delayed(model: str, model_args: dict[str, Any], *, schedule: str, 
         x = x.to(dtype) if x.is_floating_point() else x
         used = []
         for s, mod in enumerate(mods):
-            w = {k: v.detach().requires_grad_(True) for k, v in history[s][version[s](t - seg_start)].items()}
+            w = {k: v.detach().requires_grad_(trains[s][k]) for k, v in history[s][version[s](t - seg_start)].items()}
             used.append(w)
             x = torch.func.functional_call(mod, w, (x,))
         (spec.loss_fn(x, y) * scale).backward()
@@ -166,7 +167,8 @@ def reference_delayed(model: str, model_args: dict[str, Any], *, schedule: str, 
         due = [s for s in range(len(mods)) if (t + 1) % per_update[s] == 0]
         for s in due:
             for k, p in mods[s].named_parameters():
-                p.grad = pending[s].pop(k) / (per_update[s] if schedule == "async" else 1)
+                g = pending[s].pop(k) / (per_update[s] if schedule == "async" else 1)
+                p.grad = g if p.requires_grad else None  # a frozen parameter stays as it is
         if clip is not None and due:
             norm = float(nn.utils.clip_grad_norm_(net.parameters(), clip))
             if norms is not None:

@@ -194,6 +194,35 @@ def test_a_layer_that_keeps_its_input_reads_it_unchanged(mpi: MpiRun, schedule: 
     assert_same(saved(mpi), want)
 
 
+FROZEN = {"1f1b": [(2, 2), (3, 1)], "async": [(2, 1), (3, 1)], "2bw": [(1, 1), (4, 1)]}
+
+
+def frozen_runs(d: Path, schedule: str) -> Case:
+    return train(d, "tests.models_grads:frozen_prefix", SMALL, FROZEN[schedule], schedule=schedule, m=4, steps=3,
+                 extra=["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"])
+
+
+@pytest.mark.parametrize("schedule", sorted(FROZEN))
+@batched(frozen_runs)
+def test_frozen_parameters_stay_and_the_rest_trains_as_one_process(mpi: MpiRun, schedule: str):
+    """Fine-tuning: parameters with requires_grad=False (a whole stage of them, replicated under 1f1b, and a bias
+    beside trained weights) keep their values; the others train as one process (async and 2bw: as their delayed
+    reference, which now leaves frozen parameters alone too)."""
+    got = saved(mpi)
+    initial = build_model("tests.models_grads:frozen_prefix", SMALL, seed=0)
+    assert torch.equal(got["0.fc.weight"], initial.layers[0].fc.weight.detach().double())
+    assert torch.equal(got["3.fc.bias"], initial.layers[3].fc.bias.detach().double())
+    if schedule == "1f1b":
+        want = reference("tests.models_grads:frozen_prefix", SMALL, steps=3, microbatches=4, optimizer="sgd",
+                         lr=0.05, momentum=0.9)
+    else:
+        want = reference_delayed("tests.models_grads:frozen_prefix", SMALL, schedule=schedule,
+                                 stages=FROZEN[schedule], steps=3, microbatches=4, microbatch_size=B,
+                                 optimizer="sgd", lr=0.05, momentum=0.9)
+    assert not torch.equal(got["2.fc.weight"], initial.layers[2].fc.weight.detach().double())
+    assert_same(got, want)
+
+
 # ------------------------------------------------------------------ item 4: tied weights across stages
 
 
