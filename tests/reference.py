@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.spec import build_model
@@ -153,7 +154,7 @@ def reference_delayed(model: str, model_args: dict[str, Any], *, schedule: str, 
             seg_start = t
             history = [[{k: v.detach().clone() for k, v in mod.named_parameters()}] for mod in mods]
         x, y = loader.microbatch(t)
-        x = x.to(dtype) if x.is_floating_point() else x
+        x = tree_map(lambda v: v.to(dtype) if v.is_floating_point() else v, x)  # a dict input's floats too
         used = []
         for s, mod in enumerate(mods):
             w = {k: v.detach().requires_grad_(trains[s][k]) for k, v in history[s][version[s](t - seg_start)].items()}

@@ -40,21 +40,27 @@ def test_dicts_none_and_nested_tuples_between_stages_train_as_one_process(mpi: M
     assert_same(saved(mpi), want)
 
 
-DICT_STAGES = {"split": [(1, 1), (3, 1)], "replicated": [(1, 2), (3, 1)], "middle": [(2, 1), (2, 1)]}
+DICT_STAGES = {"split": [(1, 1), (3, 1)], "replicated": [(1, 2), (3, 1)], "middle": [(2, 1), (2, 1)],
+               "async": [(1, 1), (3, 1)]}
 
 
 def dict_input_runs(d: Path, stages: str) -> Case:
-    return train(d, "tests.models:dict_input", {}, DICT_STAGES[stages], schedule="1f1b", m=4, steps=3, extra=OPT)
+    schedule = "async" if stages == "async" else "1f1b"
+    return train(d, "tests.models:dict_input", {}, DICT_STAGES[stages], schedule=schedule, m=4, steps=3, extra=OPT)
 
 
 @pytest.mark.parametrize("stages", sorted(DICT_STAGES))
 @batched(dict_input_runs)
 def test_a_dict_input_trains_as_one_process(mpi: MpiRun, stages: str) -> None:
     """Samples ({"input_ids", "attention_mask", "scale"}, label), as Hugging Face datasets give: the loader batches
-    the dict key by key, the first stage gets it on its device with the float scale in the model's dtype. Before,
-    the model was refused at set-up ("cannot batch samples of type dict")."""
-    want = reference("tests.models:dict_input", {}, steps=3, microbatches=4, optimizer="adamw", lr=0.01,
-                     weight_decay=0.01)
+    the dict key by key, the first stage gets it on its device with the float scale in the model's dtype (async:
+    as its delayed reference). Before, the model was refused at set-up ("cannot batch samples of type dict")."""
+    if stages == "async":
+        want = reference_delayed("tests.models:dict_input", {}, schedule="async", stages=DICT_STAGES[stages],
+                                 steps=3, microbatches=4, microbatch_size=B, optimizer="adamw", lr=0.01)
+    else:
+        want = reference("tests.models:dict_input", {}, steps=3, microbatches=4, optimizer="adamw", lr=0.01,
+                         weight_decay=0.01)
     assert_same(saved(mpi), want)
 
 
