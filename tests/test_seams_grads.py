@@ -164,33 +164,24 @@ def test_parameter_accumulated_twice_in_the_last_backward_waits_for_both(mpi: Mp
     assert_same(got, reference("tests.models_grads:twice", SMALL, steps=3, microbatches=4, optimizer="sgd", lr=0.05))
 
 
-def received_gradient_kept(d: Path, schedule: str) -> Case:
-    return train(d, "tests.models_grads:appended_rows", SMALL, [(2, 1), (2, 1)], schedule=schedule, m=4, steps=3,
+KEPT = {("appended_rows", "1f1b"): [(2, 1), (2, 1)], ("appended_rows", "zb"): [(2, 1), (2, 1)],
+        ("kept_input", "1f1b"): [(1, 1), (3, 1)], ("kept_input", "gpipe"): [(1, 1), (3, 1)]}
+
+
+def kept_runs(d: Path, model: str, schedule: str) -> Case:
+    return train(d, f"tests.models_grads:{model}", SMALL, KEPT[model, schedule], schedule=schedule, m=4, steps=3,
                  extra=["--optimizer", "sgd", "--lr", "0.05"])
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
-@batched(received_gradient_kept)
-def test_a_gradient_that_is_the_received_one_is_not_overwritten(mpi: MpiRun, schedule: str):
-    """Stage 0's last layer appends a parameter's rows to its output: the gradient stage 1 sends back for them
-    becomes that parameter's .grad without a copy (a view of the receive buffer). Before, the buffer went back
-    to the receive pool after the backward and the next microbatch's gradient overwrote the .grad."""
-    want = reference("tests.models_grads:appended_rows", SMALL, steps=3, microbatches=4, optimizer="sgd", lr=0.05)
-    assert_same(saved(mpi), want)
-
-
-def kept_input(d: Path, schedule: str) -> Case:
-    return train(d, "tests.models_grads:kept_input", SMALL, [(1, 1), (3, 1)], schedule=schedule, m=4, steps=3,
-                 extra=["--optimizer", "sgd", "--lr", "0.05"])
-
-
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-@batched(kept_input)
-def test_a_layer_that_keeps_its_input_reads_it_unchanged(mpi: MpiRun, schedule: str):
-    """Stage 1's first layer keeps its input (a receive buffer) detached, as Transformer-XL keeps its memory, and
-    reads it at the next microbatch. Before, the buffer went back to the receive pool after its backward and a
-    later receive overwrote what the layer kept."""
-    want = reference("tests.models_grads:kept_input", SMALL, steps=3, microbatches=4, optimizer="sgd", lr=0.05)
+@pytest.mark.parametrize(("model", "schedule"), sorted(KEPT))
+@batched(kept_runs)
+def test_what_outlives_a_microbatch_of_a_received_tensor_reads_unchanged(mpi: MpiRun, model: str, schedule: str):
+    """appended_rows: stage 0's last layer appends a parameter's rows to its output, and the gradient stage 1 sends
+    back for them becomes that parameter's .grad without a copy (a view of the receive buffer). kept_input: stage
+    1's first layer keeps its input (a receive buffer) detached, as Transformer-XL keeps its memory, and reads it at
+    the next microbatch. Before, the buffer went back to the receive pool after its backward, and a later receive
+    overwrote the .grad or what the layer kept."""
+    want = reference(f"tests.models_grads:{model}", SMALL, steps=3, microbatches=4, optimizer="sgd", lr=0.05)
     assert_same(saved(mpi), want)
 
 
