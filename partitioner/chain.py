@@ -170,19 +170,14 @@ def windows(layers: list[dict[str, Any]], dev: torch.device, copies: int = 1) ->
         start = end
 
 
-def fastest_round(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: int, repeats: int, rounds: int,
-                  loss: Loss | None = None) -> tuple[ChainTimes, float]:
-    """time_chain `rounds` times, ROUND_GAP_S apart: the round whose median pass took least, and the slowest
-    round's median pass over it (how far the host's pace moved)."""
-    return fastest_rounds([layers], x, device, warmup=warmup, repeats=repeats, rounds=rounds, losses=[loss])[0]
-
-
 def fastest_rounds(variants: Sequence[Sequence[Any]], x: Any, device: torch.device, *, warmup: int, repeats: int,
                    rounds: int, losses: Sequence[Loss | None]) -> list[tuple[ChainTimes, float]]:
-    """fastest_round of each variant of the same layers (autograd's accumulation and the GEMM's), their rounds
-    taken in turn: each variant meets the host's pace of the same seconds. Timed one after the other, the first
-    could meet only a slow spell and the second only a fast one (2 x H200: forwards of 17.9 ms under autograd's
-    5 rounds, 9.7 ms under the GEMM's 5 after them), and the plan would price the wrong one."""
+    """Each variant of the same layers (autograd's accumulation and the GEMM's) timed `rounds` times, ROUND_GAP_S
+    apart: per variant the round whose median pass took least, and the slowest round's median pass over it (how far
+    the host's pace moved). The variants' rounds are taken in turn, so each meets the host's pace of the same
+    seconds. Timed one after the other, the first could meet only a slow spell and the second only a fast one (2 x
+    H200: forwards of 17.9 ms under autograd's 5 rounds, 9.7 ms under the GEMM's 5 after them), and the plan would
+    price the wrong one."""
     kept: list[list[tuple[float, ChainTimes]]] = [[] for _ in variants]
     for r in range(rounds):
         if r:
@@ -208,7 +203,7 @@ def time_as_a_stage(spec: ModelSpec, layers: list[dict[str, Any]], x: Any, dev: 
     from a drained chain). A layer's share of its backward's weight gradients (backward_weight_ms) is kept.
     `fuse`: nn.Linear layers accumulate inside their GEMM (sandbox_copy). With `target` the last window ends
     with the model's loss on it. Returns the passes' totals, for the repeat spread, and the loss's median ms
-    (None without `target`). Each window is timed `rounds` times; its fastest round is kept (fastest_round), and
+    (None without `target`). Each window is timed `rounds` times; its fastest round is kept (fastest_rounds), and
     rounds that disagree by more than NOISY_SPREAD append a line to `warnings`. `twin` (a copy of `layers`) gets
     the same layers' times with the GEMM accumulating (fuse=True), their rounds in turn with these
     (fastest_rounds)."""

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from pipeflow.data.loader import batch_leaf
 from pipeflow.received import received
 from pipeflow.spec import model_dtype
 from pipeflow.split import WeightGradStore, install
@@ -53,11 +54,6 @@ def _as_tuples(x: Any) -> Any:
     return x
 
 
-def _batch_leaf(x: Any) -> bool:
-    """Pytree leaves of a batch: everything but tuples, lists and dicts (a dict input is walked into)."""
-    return not isinstance(x, (tuple, list, dict))
-
-
 def to_device(x: Any, device: torch.device) -> Any:
     """The tensors of a batch (a tensor or nested tuples, lists and dicts of them, lists made tuples) on `device`;
     anything else is passed as it is."""
@@ -68,7 +64,7 @@ def to_device(x: Any, device: torch.device) -> Any:
             # Pinned memory makes the copy truly asynchronous: no host sync in the steady state.
             return t.pin_memory().to(device, non_blocking=True)
         return t.to(device, non_blocking=True)
-    return tree_map(move, _as_tuples(x), is_leaf=_batch_leaf)
+    return tree_map(move, _as_tuples(x), is_leaf=batch_leaf)
 
 
 @dataclass
@@ -212,4 +208,4 @@ def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
     """Floating tensors of a batch in `dtype`; integer tensors (token ids) and anything else as they are."""
     def cast(t: Any) -> Any:
         return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t
-    return tree_map(cast, x, is_leaf=_batch_leaf)
+    return tree_map(cast, x, is_leaf=batch_leaf)

@@ -101,7 +101,12 @@ def _to(t: Any, device: torch.device | None) -> Any:
     return t.to(device)
 
 
+def batch_leaf(x: Any) -> bool:
+    """Pytree leaves of a batch: everything but tuples, lists and dicts (a dict input is walked into)."""
+    return not isinstance(x, (tuple, list, dict))
+
+
 def _tensors(x: Any) -> list[torch.Tensor]:
     """A sample's tensors in order (a tensor or nested tuples, lists and dicts of them); a number counts as a 0-d
     tensor."""
-    return [torch.as_tensor(v) for v in tree_leaves(x, is_leaf=lambda v: not isinstance(v, (tuple, list, dict)))]
+    return [torch.as_tensor(v) for v in tree_leaves(x, is_leaf=batch_leaf)]
