@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-# The number of references to a storage (torch's own tests use it). Without it no buffer is reused: a reused
+# The number of references to a storage (a private torch function). Without it no buffer is reused: a reused
 # buffer that something still reads is a silent wrong result.
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
