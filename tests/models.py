@@ -106,23 +106,24 @@ def batchnorm_mlp(layers: int = 4, d_in: int = 6, hidden: int = 8, classes: int 
     return ModelSpec(layers=mods, loss_fn=F.cross_entropy, dataset=TensorDataset(x[:, :-1], y))
 
 
-_WRITTEN: dict[str, list[float]] = {}  # per witness log: when this process last wrote to it, and how many times
+_WRITTEN: dict[str, list[float]] = {}  # per witness log: when this process last wrote to it, how many times, forwards
 
 
 class Witness(nn.Module):
     """tanh(fc(x)) that appends "pid time" (CLOCK_MONOTONIC, shared by the machine's processes) to `log` on a
     forward, the first one and then at most every 10 ms per process: which processes ran the model, and when."""
 
-    def __init__(self, d: int, log: str, die_unless_pid: int = 0) -> None:
+    def __init__(self, d: int, log: str, die_unless_pid: int = 0, die_after: int = 0) -> None:
         super().__init__()
         self.fc = nn.Linear(d, d)
-        self.log, self.die_unless_pid = log, die_unless_pid
+        self.log, self.die_unless_pid, self.die_after = log, die_unless_pid, die_after
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        written = _WRITTEN.setdefault(self.log, [-1.0, 0])
+        written = _WRITTEN.setdefault(self.log, [-1.0, 0, 0])
+        written[2] += 1
         if self.die_unless_pid == os.getpid():
-            time.sleep(0.005)  # the profiler's process: slow, so that the companion dies while it profiles
-        elif self.die_unless_pid and written[1] >= 3:  # 20 ms after its first pass: ready
+            time.sleep(0.01)  # the profiler's process: slow, so that the companion dies while it profiles
+        elif self.die_unless_pid and written[2] > self.die_after:  # the first forward after its first pass: ready
             sys.stderr.write("this process gives up\n")
             sys.stderr.flush()
             os._exit(3)
@@ -137,13 +138,14 @@ class Witness(nn.Module):
 def witness_mlp(log: str, layers: int = 3, d: int = 16, samples: int = 64, only_pid: int = 0,
                 die_unless_pid: int = 0) -> ModelSpec:
     """`layers` Witness layers writing to `log`; with `only_pid`, building it in another process fails; with
-    `die_unless_pid`, another process running it exits (code 3) once it has written to the log three times,
-    and that process sleeps 5 ms in each forward."""
+    `die_unless_pid`, another process running it exits (code 3) at its first forward after its first pass (the
+    companion's "ready", partitioner/companion.py), and that process sleeps 10 ms in each forward: the profile beside
+    the companion lasts long enough for a loaded machine to run it to its end."""
     if only_pid and os.getpid() != only_pid:
         raise ValueError(f"built in process {os.getpid()}, only {only_pid} may build it")
     g = torch.Generator().manual_seed(5)
     x = torch.randn(samples, d, generator=g)
-    return ModelSpec(layers=[Witness(d, log, die_unless_pid) for _ in range(layers)], loss_fn=F.mse_loss,
+    return ModelSpec(layers=[Witness(d, log, die_unless_pid, layers) for _ in range(layers)], loss_fn=F.mse_loss,
                      dataset=TensorDataset(x, torch.tanh(x)))
 
 
