@@ -26,7 +26,8 @@ fused backward would give them. That is the ZB reference's WeightGradStore, for 
 What falls back to the fused backward in B: every other module with parameters (LayerNorm, Embedding, Conv,
 ...); subclasses of nn.Linear and parameters used outside `Linear.forward` (nn.MultiheadAttention's
 `out_proj`, whose weight the attention reads directly); a Linear whose weight is not a leaf (a
-parametrization) or that runs under autocast or a torch.func transform (grad, vmap: they differentiate the
+parametrization) or has a hook on its gradient (`register_hook`: it sees the whole gradient in B), or that runs
+under autocast or a torch.func transform (grad, vmap: they differentiate the
 plain F.linear). A tied weight used by a split Linear and by another module gets its Linear share in W and the
 rest in B; both add into the one `.grad`. The Function's backward is made of differentiable ops, so a loss that
 holds its own gradient (create_graph: a gradient penalty, a physics-informed loss) differentiates through it.
@@ -73,7 +74,8 @@ class WeightGradStore:
         self.fuse = fuse
         self.current: int | None = None  # the microbatch whose B is running (a plain attribute: CUDA's
         # autograd runs backward on a device thread, so a thread-local would not be seen there)
-        self.pending: dict[int, list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = {}
+        # per microbatch: (weight, input, output gradient, the input's version when its forward saved it)
+        self.pending: dict[int, list[tuple[nn.Parameter, torch.Tensor, torch.Tensor, int]]] = {}
 
     @contextlib.contextmanager
     def defer(self, mb: int) -> Iterator[None]:
@@ -85,21 +87,30 @@ class WeightGradStore:
         finally:
             self.current = None
 
-    def record(self, weight: nn.Parameter, x: torch.Tensor, grad_out: torch.Tensor) -> None:
+    def record(self, weight: nn.Parameter, x: torch.Tensor, grad_out: torch.Tensor, version: int) -> None:
         assert self.current is not None
-        self.pending[self.current].append((weight, x, grad_out))
+        self.pending[self.current].append((weight, x, grad_out, version))
 
     def weights(self, mb: int) -> list[nn.Parameter]:
         """The parameters W(mb) accumulates into, each once (what the replicas' reducer waits for)."""
-        return list({id(p): p for p, _, _ in self.pending.get(mb, [])}.values())
+        return list({id(p): p for p, *_ in self.pending.get(mb, [])}.values())
 
     def flush(self, mb: int) -> None:
         """W(mb): compute microbatch `mb`'s deferred weight gradients and accumulate them into `.grad`. A weight
         used several times is summed first, so its AccumulateGrad (and its hooks) runs once, as in a fused
-        backward."""
+        backward. An input changed in place since its forward (a workspace the next microbatch's forward
+        overwrote) stops it, as autograd stops a backward that needs a changed tensor: W runs after later
+        forwards than B does, and would otherwise compute the gradient from their data."""
         grads: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
         with torch.no_grad():  # outside any backward: the GEMMs build no graph
-            for p, x, g in self.pending.pop(mb, []):
+            for p, x, g, version in self.pending.pop(mb, []):
+                if x._version != version:
+                    raise RuntimeError(
+                        f"one of the variables needed for gradient computation has been modified by an inplace "
+                        f"operation: the input of an nn.Linear (weight {tuple(p.shape)}), at version {x._version}; "
+                        f"expected version {version}: a zero-bubble schedule computes weight gradients after later "
+                        f"forwards (W), so a layer's input must not be changed in place after its forward; copy it "
+                        f"(x.clone()) or use 1f1b")
                 if self.fuse and id(p) not in grads and accumulate_into(p, x, g):
                     continue
                 gw = weight_grad(x, g)
@@ -135,7 +146,7 @@ class _SplitLinearFn(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 store: WeightGradStore) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.weight, ctx.store, ctx.has_bias = weight, store, bias is not None
+        ctx.weight, ctx.store, ctx.has_bias, ctx.x_version = weight, store, bias is not None, x._version
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -151,7 +162,7 @@ class _SplitLinearFn(torch.autograd.Function):
         if need_w:
             store = ctx.store
             if store.current is not None:
-                store.record(ctx.weight, x, grad_out)  # W computes it
+                store.record(ctx.weight, x, grad_out, ctx.x_version)  # W computes it
             elif not (store.fuse and accumulate_into(ctx.weight, x, g2)):
                 gw = weight_grad(x, g2)  # outside a B (a plain backward): autograd accumulates it
         return gx, gw, gb, None
@@ -175,6 +186,7 @@ class SplitLinear(nn.Linear):
         store = self.__dict__.get("_split_store")
         weight, bias = self._parameters.get("weight"), self._parameters.get("bias")
         if (store is None or not torch.is_grad_enabled() or weight is None or not weight.is_leaf
+                or weight._backward_hooks  # a hook on the weight's gradient (a pruning mask) sees it in B, whole
                 or torch.is_autocast_enabled(x.device.type) or torch._C._are_functorch_transforms_active()):
             return F.linear(x, self.weight, self.bias)  # torch.func transforms (grad, vmap) differentiate it natively
         return _APPLY(x, weight, bias, store)

@@ -241,3 +241,61 @@ def test_torch_func_differentiates_installed_linears_natively():
     got = torch.func.grad(lambda p: loss(split, p))(dict(split.named_parameters()))
     for name, g in want.items():
         torch.testing.assert_close(got[name], g, rtol=1e-12, atol=1e-12)
+
+
+class Workspace(nn.Module):
+    """A Linear whose input is a buffer every forward overwrites in place (a workspace), and one on its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.lin2, self.buf = nn.Linear(4, 3), nn.Linear(4, 3), torch.zeros(2, 4, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.buf.copy_(x.detach())
+        return self.lin(self.buf) + self.lin2(x)
+
+
+def test_w_refuses_an_input_changed_in_place_after_its_forward():
+    """zb's order F0 B0 F1 W0: the next forward overwrote microbatch 0's workspace, whose data W0 would read (it
+    trained on microbatch 1's data, silently); now W stops as autograd stops a backward that needs a changed
+    tensor. Without the change between B and W it trains as plain autograd."""
+    torch.manual_seed(0)
+    plain, split = Workspace().double(), Workspace().double()
+    split.load_state_dict(plain.state_dict())
+    store = WeightGradStore()
+    install(split, store)
+    xs = [torch.randn(2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    with store.defer(0):
+        split(xs[0]).square().sum().backward()
+    store.flush(0)  # W right after B: nothing changed in between
+    plain(xs[0]).square().sum().backward()
+    assert torch.equal(split.lin.weight.grad, plain.lin.weight.grad)
+    with store.defer(1):
+        split(xs[1]).square().sum().backward()
+    split(xs[0])  # the next microbatch's forward, before W1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation: the input of an nn.Linear "
+                                           r"\(weight \(3, 4\)\), at version 3; expected version 2"):
+        store.flush(1)
+
+
+def test_a_weight_with_a_gradient_hook_keeps_its_gradient_in_b():
+    """A pruning mask on a weight's gradient (weight.register_hook): under a deferred B the hook was called with
+    None (a TypeError in the user's hook, a traceback); the Linear now takes the fused backward in B, its hook sees
+    the whole gradient and the result is plain autograd's."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    split = copy.deepcopy(plain)
+    mask = (torch.arange(16).reshape(4, 4) % 3 != 0).double()
+    for model in (plain, split):
+        model[0].weight.register_hook(lambda g: g * mask)
+    store = WeightGradStore()
+    install(split, store)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    with store.defer(0):
+        split(x).square().sum().backward()
+    assert [p.shape for p in store.weights(0)] == [torch.Size([2, 4])]  # the unhooked Linear's weight waits for W
+    store.flush(0)
+    plain(x).square().sum().backward()
+    for a, b in zip(plain.parameters(), split.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert (split[0].weight.grad[mask == 0] == 0).all()
