@@ -11,6 +11,7 @@ import torch
 from partitioner.plan import Plan
 from pipeflow.clip import grad_clip
 from pipeflow.comm import P2P, World, all_reduce
+from pipeflow.gradients import recv_grads, send_grads, signature_of
 from pipeflow.hooks import Feed, GateFactory, StepGate, Timer, Timing, WeightHooks, WeightPolicy
 from pipeflow.kinds import Weights, schedule_kind
 from pipeflow.links import arm_points, make_links, make_reducers, reduce_late, send_window, tied_async_error
@@ -74,7 +75,7 @@ class Engine:
         self.shard = sharded(self._parameters, st.replicas, self.r, self.replica_groups.get(tuple(st.ranks)),
                              st.ranks) if shard_optimizer or plan.shard_optimizer else None  # ZeRO stage 1
         self.optimizer = optimizer_over(optimizer_factory, self.shard.owned if self.shard else self.parameters(),
-                                        world.device)
+                                        world.device, world.mpi if world.size > 1 else None, f" (stage {self.s})")
         self.policy: WeightHooks = WeightPolicy()
         if self.kind.weights is not Weights.LIVE:
             self._new_policy()
@@ -142,12 +143,12 @@ class Engine:
     def run(self, actions: list[Action], step: int = 0, on_step: Callable[[int], None] | None = None) -> None:
         """Execute `actions`, each on the stage it names. For flush schedules `step` places microbatch i at
         global index step*m+i; `on_step(k)` is called after the k-th STEP of an asynchronous list."""
-        Posted = tuple[list[torch.Tensor], list[Any]]
+        Posted = tuple[list[torch.Tensor | None], list[Any]]  # gradients received (None: none came back)
         # Keyed by (model stage, microbatch): a rank holding several chunks has several of each in flight.
         recv_f = ForwardReceives(self.p2p)  # posted ahead where that cannot block the host (receives.py)
         recv_b: dict[tuple[int, int], Posted | None] = {}
         outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
-        in_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        in_grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}  # None: an input the stage did not use
         dead: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # buffers to release
         arm_at = arm_points(self.sched, self.worker, actions, self.split)  # the last B (or W) before a STEP
         self.update.begin(self.global_mb(step, 0) // self.m)  # the list's first minibatch: the lr schedule's place
@@ -165,9 +166,10 @@ class Engine:
             stage, key = self.stages[k], (k, i)
             if a.kind is Kind.RECV_F:
                 recv_f.ahead(key, self._peer(a), self._signature(k - 1, step, i))
-            elif a.kind is Kind.RECV_B:
-                # The gradient has the shapes of what we sent; if F(i) has not run yet, post at B(i).
-                recv_b[key] = self._post_recv_b(a, stage) if key in outputs else None
+            elif a.kind is Kind.RECV_B:  # ahead once F(i) ran and the peer said which gradients come, in order
+                known = key in outputs and self.p2p.knows(self._peer(a), signature_of(self._signature(k, step, i)))
+                known = known and None not in recv_b.values()  # none left for its B posted before this one
+                recv_b[key] = recv_grads(self.p2p, self._peer(a), self._signature(k, step, i)) if known else None
             elif a.kind is Kind.F:
                 posted = None if stage.first else recv_f.take(key)
                 outputs[key] = self._forward(stage, step, a, posted)
@@ -178,14 +180,16 @@ class Engine:
             elif a.kind is Kind.B:
                 posted = recv_b.pop(key, None)
                 if posted is None and not stage.last:
-                    posted = self._post_recv_b(Action(Kind.RECV_B, i, a.stage), stage)
+                    posted = recv_grads(self.p2p, self._peer(Action(Kind.RECV_B, i, a.stage)),
+                                        self._signature(k, step, i))
                 reducer = self.reducers.get(k)
                 if reducer is not None and self.split is Kind.B and key in arm_at and i in stage.saved:
-                    reducer.arm(stage.saved[i].outputs)
+                    reducer.arm([o for o, g in zip(stage.saved[i].outputs, posted[0]) if g is not None]
+                                if posted else stage.saved[i].outputs)  # the outputs a gradient came back for
                 in_grads[key] = self._backward(stage, i, posted)
                 # Received buffers are dead after B (W, where split), reused unless aliased (comm.P2P.release).
-                dead[key] = (self._received.pop(key, []) + (posted[0] if posted else []),
-                             (outputs.pop(key, None) or []) + in_grads[key])
+                dead[key] = (self._received.pop(key, []) + [g for g in (posted[0] if posted else []) if g is not None],
+                             (outputs.pop(key, None) or []) + [g for g in in_grads[key] if g is not None])
                 if self.split is Kind.B:
                     self.p2p.release(*dead.pop(key))
             elif a.kind is Kind.W:
@@ -196,7 +200,7 @@ class Engine:
                 self.p2p.release(*dead.pop(key))
             elif a.kind is Kind.SEND_B:
                 with self.timer.span("SEND_B", i):
-                    self.p2p.send(in_grads.pop(key), self._peer(a), "B")
+                    send_grads(self.p2p, in_grads.pop(key), self._peer(a), self._signature(k - 1, step, i))
             else:
                 raise RuntimeError(f"rank {self.world.rank}: the engine cannot run action {a}")
         self.p2p.wait_sends()
@@ -212,11 +216,6 @@ class Engine:
         """What the shapes of the activations model stage `sender` sends for microbatch i depend on."""
         sig = self.loader.signature(self.global_mb(step, i))
         return sig if self.v == 1 else (sender, sig)
-
-    def _post_recv_b(self, a: Action, stage: Stage) -> tuple[list[torch.Tensor], list[Any]]:
-        assert a.microbatch is not None
-        meta = [(tuple(t.shape), t.dtype, False) for t in stage.saved[a.microbatch].outputs]
-        return self.p2p.recv(self._peer(a), "B", meta=meta)
 
     def _forward(self, stage: Stage, step: int, a: Action,
                  posted: tuple[list[torch.Tensor], list[Any]] | None) -> list[torch.Tensor]:
@@ -249,8 +248,8 @@ class Engine:
             self.losses.append(outs[0])
         return outs
 
-    def _backward(self, stage: Stage, i: int, posted: tuple[list[torch.Tensor], list[Any]] | None
-                  ) -> list[torch.Tensor]:
+    def _backward(self, stage: Stage, i: int, posted: tuple[list[torch.Tensor | None], list[Any]] | None
+                  ) -> list[torch.Tensor | None]:
         grads = None
         if posted is not None:
             grads, works = posted

@@ -173,8 +173,10 @@ class Stage:
             x = layer(x)
         return x
 
-    def backward(self, mb: int, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        """Backward of one microbatch; returns the gradients of the inputs that required grad."""
+    def backward(self, mb: int, grads: list[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
+        """Backward of one microbatch from the outputs a gradient came back for (None: the next stage did not use
+        that output); returns the gradients of the inputs that required grad, None for one the layers did not use
+        (pipeflow/gradients.py: the parameters behind it keep no gradient, as in one process)."""
         saved = self.saved.pop(mb)
         store = self.weight_store
         with store.defer(mb) if store is not None else contextlib.nullcontext():
@@ -182,8 +184,10 @@ class Stage:
                 torch.autograd.backward(saved.outputs)
             elif saved.outputs:
                 assert grads is not None and len(grads) == len(saved.outputs), "gradient count mismatch"
-                torch.autograd.backward(saved.outputs, grads)
-        return [t.grad if t.grad is not None else torch.zeros_like(t) for t in saved.inputs]
+                given = [(o, g) for o, g in zip(saved.outputs, grads) if g is not None]
+                if given:
+                    torch.autograd.backward([o for o, _ in given], [g for _, g in given])
+        return [t.grad for t in saved.inputs]
 
     def backward_weights(self, mb: int) -> None:
         """W of microbatch `mb`: the weight gradients its B deferred, accumulated into .grad (nothing to do

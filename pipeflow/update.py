@@ -50,13 +50,36 @@ log = logging.getLogger(__name__)
 
 
 def optimizer_over(factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
-                   params: list[torch.nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
+                   params: list[torch.nn.Parameter], device: torch.device, comm: Any = None,
+                   where: str = "") -> torch.optim.Optimizer:
     """The rank's optimizer over `params`. A rank without any (a stage of activations and pooling only, or a
     sharded replica that owns none) gets one over a frozen empty placeholder, which no update ever touches:
-    torch.optim refuses an empty list, and checkpoints, the guard and the reports expect an optimizer."""
+    torch.optim refuses an empty list, and checkpoints, the guard and the reports expect an optimizer.
+    Collective over `comm` (MPI; `where`: this rank's stage, for the message): a factory that fails on some ranks
+    only (a `requires_grad` filter on a frozen stage: torch's "empty parameter list") left the others waiting for
+    it forever; now every rank raises the first failure, in one line (ValueError: pipeflow-train's exit 2)."""
     if not params:
         params = [torch.nn.Parameter(torch.empty(0, device=device), requires_grad=False)]
-    return factory(params)
+    made, error = None, None
+    try:
+        made = factory(params)
+        if not isinstance(made, torch.optim.Optimizer):
+            raise TypeError(f"it returned {type(made).__name__}, not a torch.optim.Optimizer")
+        if isinstance(made, torch.optim.LBFGS):
+            raise TypeError("LBFGS steps with a closure that evaluates the whole model again, which a pipeline's "
+                            "step cannot give it; use a first-order optimizer (SGD, Adam, AdamW, ...)")
+    except Exception as e:  # the user's code: whatever it raises is reported, on every rank
+        trainable = sum(p.requires_grad for p in params)
+        error = (f"{where}: {type(e).__name__}: {e} (given {len(params)} parameter(s), {trainable} needing gradients"
+                 + ("; a stage with nothing to train gets its frozen parameters or a frozen placeholder: make the "
+                    "optimizer over what it is given" if not trainable else "") + ")")
+    errors = comm.allgather(error) if comm is not None else [error]
+    failed = next(((r, e) for r, e in enumerate(errors) if e), None)
+    if failed is not None:
+        raise ValueError(f"the optimizer factory failed on rank {failed[0]}{failed[1]}; `optimizer` makes a "
+                         "rank's optimizer from its stage's parameters, e.g. lambda ps: torch.optim.AdamW(ps, lr=1e-3)")
+    assert made is not None
+    return made
 
 
 class Update:

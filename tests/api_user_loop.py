@@ -8,6 +8,7 @@ The model, data and optimizer are `reference()`'s, the single-process training i
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -92,6 +93,31 @@ def main_cli_data(argv: list[str]) -> int:
     if state is not None:
         out.mkdir(parents=True, exist_ok=True)
         torch.save(state, out / "model.pt")
+    return 0
+
+
+def main_trainable_only(argv: list[str]) -> int:
+    """OUT: the loop's model with its first layer frozen (fine-tuning) and an optimizer factory over the parameters
+    that need gradients, as users filter them, on 2 stages: stage 0 has none. Writes OUT/error-rank<R>.txt, what
+    Pipeline raised on this rank (empty: nothing)."""
+    import pipeflow
+
+    out = Path(argv[0])
+    layers = model()
+    for p in layers[0].parameters():
+        p.requires_grad_(False)
+    raised = ""
+    try:
+        with pipeflow.Pipeline(layers, F.cross_entropy, schedule="1f1b", microbatches=2, device="cpu",
+                               plan=argv[1] if len(argv) > 1 else None,
+                               optimizer=lambda ps: torch.optim.SGD([p for p in ps if p.requires_grad], lr=LR)) as pipe:
+            for x, y in batches():
+                pipe.step(x, target=y)
+    except ValueError as e:
+        raised = str(e)
+    rank = int(os.environ.get("PMI_RANK", "0"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"error-rank{rank}.txt").write_text(raised)
     return 0
 
 

@@ -72,6 +72,38 @@ def unused(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64) 
     return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
 
 
+class Branches(nn.Module):
+    """Two outputs that both require grad, (tanh(fc x), tanh(side x)); `uses` says which the next layer reads."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc, self.side = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(self.fc(x)), torch.tanh(self.side(x))
+
+
+class FirstOnly(Out):
+    """Out on the first of two tensors; with `sometimes`, the second added on the microbatches whose draw (seeded
+    per microbatch and layer) is under a half."""
+
+    def __init__(self, hidden: int, classes: int, sometimes: bool = False) -> None:
+        super().__init__(hidden, classes)
+        self.sometimes = sometimes
+
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        a, b = x
+        return self.fc(a + b if self.sometimes and float(torch.rand(())) < 0.5 else a)
+
+
+def dropped(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64, sometimes: bool = False
+            ) -> ModelSpec:
+    """Layers: input, Branches (`1.side` reaches the loss only through the second output), FirstOnly, which drops
+    that output (always, or on some microbatches)."""
+    layers: list[nn.Module] = [Inp(d_in, hidden), Branches(hidden), FirstOnly(hidden, classes, sometimes)]
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
+
+
 class Sometimes(nn.Module):
     """Adds `extra` on the microbatches whose draw (torch's generator, seeded per microbatch and layer) is under
     a half: in a step, one replica of its stage may hold a gradient of `extra` while another holds none."""

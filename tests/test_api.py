@@ -121,3 +121,47 @@ def test_the_engine_walks_its_modules_for_parameters_once_not_at_every_update(mo
         assert pipe.engine.step_gate is not None and pipe.engine.step_gate.step == 2 * len(api_user_loop.batches())
         assert len(calls) == built
         assert [id(p) for p in pipe.engine.parameters()] == [id(p) for p in pipe.engine.stage.module.parameters()]
+
+
+def trainable_only(d: Path) -> Case:
+    write_plan(d / "plan.json", "1f1b", 2, [(1, 1), (3, 1)])  # stage 0: the frozen first layer alone
+    return Case(2, [str(d / "out"), str(d / "plan.json")], main="tests.api_user_loop:main_trainable_only")
+
+
+@batched(trainable_only)
+def test_an_optimizer_factory_failing_on_one_rank_fails_on_every_rank(mpi: MpiRun) -> None:
+    """A factory over the parameters that need gradients, on a stage with none (fine-tuning): torch raised "empty
+    parameter list" on that rank alone and the other waited for it forever. Every rank now raises the same one
+    line, naming the rank, its stage and what it was given."""
+    errors = [(mpi.dir / "out" / f"error-rank{r}.txt").read_text() for r in range(2)]
+    assert errors[0] == errors[1] == (
+        "the optimizer factory failed on rank 0 (stage 0): ValueError: optimizer got an empty parameter list (given 2 "
+        "parameter(s), 0 needing gradients; a stage with nothing to train gets its frozen parameters or a frozen "
+        "placeholder: make the optimizer over what it is given); `optimizer` makes a rank's optimizer from its "
+        "stage's parameters, e.g. lambda ps: torch.optim.AdamW(ps, lr=1e-3)")
+
+
+class _Gather:
+    """An MPI communicator's allgather, the other ranks' values given."""
+
+    def __init__(self, others: list[str | None]) -> None:
+        self.others = others
+
+    def allgather(self, mine: str | None) -> list[str | None]:
+        return [mine, *self.others]
+
+
+def test_optimizer_over_agrees_and_refuses_what_is_not_an_optimizer() -> None:
+    from pipeflow.update import optimizer_over
+
+    ps = [torch.nn.Parameter(torch.zeros(2))]
+    assert isinstance(optimizer_over(lambda p: torch.optim.SGD(p, lr=0.1), ps, torch.device("cpu"), _Gather([None])),
+                      torch.optim.SGD)
+    with pytest.raises(ValueError, match=r"^the optimizer factory failed on rank 1 \(stage 1\): boom; `optimizer`"):
+        optimizer_over(lambda p: torch.optim.SGD(p, lr=0.1), ps, torch.device("cpu"), _Gather([" (stage 1): boom"]))
+    with pytest.raises(ValueError, match=r"on rank 0: TypeError: it returned tuple, not a torch.optim.Optimizer"):
+        optimizer_over(lambda p: (torch.optim.SGD(p, lr=0.1),), ps, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"on rank 0: TypeError: 'SGD' object is not callable"):
+        optimizer_over(torch.optim.SGD(ps, lr=0.1), ps, torch.device("cpu"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"on rank 0: TypeError: LBFGS steps with a closure"):
+        optimizer_over(lambda p: torch.optim.LBFGS(p), ps, torch.device("cpu"))

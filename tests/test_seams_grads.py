@@ -19,7 +19,7 @@ from pipeflow.engine import WeightPolicy
 from pipeflow.reduce import find_ties
 from pipeflow.spec import build_model
 from pipeflow.stage import Stage
-from tests.conftest import Case, MpiRun, batched, write_plan
+from tests.conftest import Case, MpiRun, batched, in_background, run_mpi, write_plan
 from tests.reference import reference_delayed, reference_flush
 
 SMALL = {"d_in": 6, "hidden": 8, "classes": 3, "samples": 64}
@@ -96,6 +96,42 @@ def test_parameter_without_gradient_is_left_alone_by_replicas(mpi: MpiRun, optim
     for k in ("1.spare.weight", "1.spare.bias"):
         assert torch.equal(got[k], initial[k]), k
     assert not torch.equal(got["1.fc.weight"], initial["1.fc.weight"])
+
+
+def dropped_output(d: Path, schedule: str) -> Case:
+    return train(d, "tests.models_grads:dropped", SMALL, [(2, 1), (1, 1)], schedule=schedule, m=4, steps=3,
+                 extra=["--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1"])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb"])
+@batched(dropped_output)
+def test_an_output_the_next_stage_drops_leaves_the_parameters_behind_it_alone(mpi: MpiRun, schedule: str) -> None:
+    """Stage 1 never reads the second tensor stage 0 sends: in one process `1.side` gets no gradient and AdamW's
+    weight decay leaves it alone. Stage 1 sent zeros back for it, and the decay moved it (the losses the same)."""
+    got = saved(mpi)
+    want = reference("tests.models_grads:dropped", SMALL, steps=3, microbatches=4, optimizer="adamw", lr=0.01,
+                     weight_decay=0.1)
+    initial = reference("tests.models_grads:dropped", SMALL, steps=0, microbatches=4, optimizer="adamw", lr=0.01)
+    assert_same(got, want)
+    for k in ("1.side.weight", "1.side.bias"):
+        assert torch.equal(got[k], initial[k]), k
+    assert not torch.equal(got["1.fc.weight"], initial["1.fc.weight"])
+
+
+@in_background
+def test_an_output_used_by_some_microbatches_only_stops_in_one_line(tmp_path):
+    """Which gradients come back is sent once per input signature (pipeflow/gradients.py): a stage that reads a
+    received tensor on some microbatches and not on others stops with one line naming both, exit 2 (a launch of
+    its own: the one rank that sees it ends the job)."""
+    case = train(tmp_path, "tests.models_grads:dropped", {**SMALL, "sometimes": True}, [(2, 1), (1, 1)],
+                 schedule="1f1b", m=4, steps=3, extra=["--optimizer", "sgd", "--lr", "0.05"])
+    proc = run_mpi(case.np, case.args, timeout=120, check=False)
+    lines = [x for x in proc.stderr.splitlines() if "pipeflow-train: error" in x]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert re.search(r"the gradients sent back to rank 0 were \[a gradient, (none|a gradient)\] and now \[a gradient, "
+                     r"(a gradient|none)\] for inputs of the same shapes .*: a stage must use the same received "
+                     r"tensors for every microbatch", lines[0]), lines[0]
+    assert "Traceback" not in proc.stderr
 
 
 def unused_2bw(d: Path, late: str) -> Case:
