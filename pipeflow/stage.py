@@ -130,7 +130,7 @@ class Stage:
             leaves: list[torch.Tensor] = []
         else:
             leaves = [t for t in inputs if t.requires_grad]
-            x = received(join(inputs, tree))  # may be changed in place (received.py)
+            x = join(received(inputs), tree)  # may be changed in place (received.py); views of the aliases
         out = self.run_layers(mb if global_mb is None else global_mb, x)
         if self.last:
             loss = self._loss(out, target)

@@ -5,7 +5,10 @@ torch.utils._pytree spec, as text, and the constants) travels once per input sig
 meta), and the receiving stage's first layer gets the same structure back, as in one process. A flat named tuple of
 tensors arrives as a plain tuple, as before; a nested one is refused (torch cannot write its spec as text). One tensor
 returned twice, (h, h), travels once and arrives as one tensor in both places, as in one process (an in-place change
-to one is seen in the other; their gradients add up in one buffer)."""
+to one is seen in the other; their gradients add up in one buffer). So does a tensor that is a view inside another
+one returned beside it, (h, h[:, 0]) or (h, h.t()): it travels inside the other and arrives as the same view of it,
+so an in-place change to either is seen in both, as in one process (sent apart, a change to one was lost to the
+other: weights off by 0.06-0.13 after 3 steps); the other must be contiguous and hold the view's every element."""
 from __future__ import annotations
 
 from typing import Any
@@ -16,8 +19,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, tr
 from pipeflow.failure import UsageError
 
 CONSTANTS = (type(None), bool, int, float, str)
-# (spec as text, per leaf: None where the next tensor sent goes, k where the k-th sent goes again, else (the
-# constant,)); None: a tensor, or a flat tuple of distinct tensors
+# (spec as text, per leaf: None where the next tensor sent goes, k where the k-th sent goes again, (the constant,),
+# or ("view", k, size, stride, offset, requires grad): a view of the k-th sent); None: a tensor, or a flat tuple of
+# distinct tensors
 Tree = tuple[str, tuple[tuple[Any, ...] | int | None, ...]] | None
 
 
@@ -49,7 +53,8 @@ def split(out: Any) -> tuple[list[torch.Tensor], Tree]:
                               f"and dicts; found {type(leaf).__name__}")
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     unique = list({id(t): t for t in tensors}.values())  # in order of first appearance
-    if len(unique) == len(tensors) and isinstance(out, tuple) and len(out) > 1 and all(
+    inside = _views(unique)
+    if len(unique) == len(tensors) and not inside and isinstance(out, tuple) and len(out) > 1 and all(
             isinstance(v, torch.Tensor) for v in out):
         return tensors, None
     try:
@@ -57,29 +62,70 @@ def split(out: Any) -> tuple[list[torch.Tensor], Tree]:
     except NotImplementedError:
         raise OutputError(f"a stage's output holds a {type(out).__name__} around other containers, whose structure "
                           f"cannot be sent to the next stage; expected tuples, lists and dicts") from None
-    sent: dict[int, int] = {}  # id -> its index among the tensors sent
+    sending = [t for t in unique if id(t) not in inside]
+    sent = {id(t): k for k, t in enumerate(sending)}  # id -> its index among the tensors sent
     marks: list[tuple[Any, ...] | int | None] = []
+    placed: set[int] = set()
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
             marks.append((leaf,))
-        elif id(leaf) in sent:
+        elif id(leaf) in inside:
+            base = inside[id(leaf)]
+            marks.append(("view", sent[id(base)], tuple(leaf.shape), leaf.stride(),
+                          leaf.storage_offset() - base.storage_offset(), leaf.requires_grad))
+        elif id(leaf) in placed:
             marks.append(sent[id(leaf)])
         else:
-            sent[id(leaf)] = len(sent)
+            placed.add(id(leaf))
             marks.append(None)
-    return unique, (text, tuple(marks))
+    return sending, (text, tuple(marks))
+
+
+def _views(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """id -> the tensor among `tensors` that holds it, for each one whose elements all lie inside another contiguous
+    one of the same storage and dtype (the largest such, the first of equals), unless it needs a gradient that one
+    does not (a view of a detached tensor is not one of the tensor)."""
+    if len(tensors) < 2:
+        return {}
+    ptrs = [t.untyped_storage().data_ptr() if t.device.type != "meta" and t.numel() else None for t in tensors]
+    if len({p for p in ptrs if p is not None}) == sum(p is not None for p in ptrs):
+        return {}  # no two share memory: the common case, one storage lookup each
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        lo = int(t.storage_offset())
+        return lo, lo + 1 + sum((int(n) - 1) * int(st) for n, st in zip(t.shape, t.stride()))
+
+    out: dict[int, torch.Tensor] = {}
+    for i, t in enumerate(tensors):
+        if ptrs[i] is None:
+            continue
+        lo, hi = span(t)
+        holders = [(span(b)[1] - span(b)[0], -j, b) for j, b in enumerate(tensors)
+                   if ptrs[j] == ptrs[i] and b.dtype == t.dtype and b.is_contiguous()
+                   and span(b)[0] <= lo and hi <= span(b)[1]]
+        if holders:
+            base = max(holders, key=lambda h: h[:2])[2]
+            if base is not t and (base.requires_grad or not t.requires_grad):
+                out[id(t)] = base
+    return out
 
 
 def join(tensors: list[torch.Tensor], tree: Tree) -> Any:
-    """The received tensors in the structure the sender's layer returned them in."""
+    """The received tensors in the structure the sender's layer returned them in (views rebuilt on them: pass the
+    tensors the layers are to see, received.py's aliases, so that a view is one of what they see)."""
     if tree is None:
         return tensors[0] if len(tensors) == 1 else tuple(tensors)
     text, marks = tree
-    given, got, leaves = iter(tensors), [], []
+    given, leaves = iter(tensors), []
     for mark in marks:
         if mark is None:
-            got.append(next(given))
-            leaves.append(got[-1])
+            leaves.append(next(given))
+        elif isinstance(mark, int):
+            leaves.append(tensors[mark])
+        elif len(mark) == 6 and mark[0] == "view":
+            _, k, size, stride, offset, grad = mark
+            base = tensors[k] if grad else tensors[k].detach()
+            leaves.append(base.as_strided(size, stride, base.storage_offset() + offset))
         else:
-            leaves.append(got[mark] if isinstance(mark, int) else mark[0])
+            leaves.append(mark[0])
     return tree_unflatten(leaves, treespec_loads(text))

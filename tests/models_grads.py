@@ -104,6 +104,37 @@ def dropped(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64,
     return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
 
 
+class WithView(nn.Module):
+    """(h, h[:, :2]): the second output a view inside the first (a [CLS] row beside the hidden states)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x)  # no backward needs h itself: a later in-place change is allowed, as in one process
+        return h, h[:, :2]
+
+
+class ScaleView(nn.Module):
+    """Scales the view in place (so, in one process, those elements of h too), then reads both."""
+
+    def __init__(self, hidden: int, classes: int) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(hidden, classes), nn.Linear(2, classes)
+
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h, v = x
+        v.mul_(3)
+        return self.fc(h) + self.head(v)
+
+
+def viewed(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
+    """Layers: input, WithView, ScaleView: cut between the last two, the view crosses the boundary with its base."""
+    layers: list[nn.Module] = [Inp(d_in, hidden), WithView(hidden), ScaleView(hidden, classes)]
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
+
+
 class Sometimes(nn.Module):
     """Adds `extra` on the microbatches whose draw (torch's generator, seeded per microbatch and layer) is under
     a half: in a step, one replica of its stage may hold a gradient of `extra` while another holds none."""

@@ -134,6 +134,21 @@ def test_an_output_used_by_some_microbatches_only_stops_in_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def view_case(d: Path, schedule: str) -> Case:
+    return train(d, "tests.models_grads:viewed", SMALL, [(2, 1), (1, 1)], schedule=schedule, m=4, steps=3,
+                 extra=["--optimizer", "sgd", "--lr", "0.05"])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb"])
+@batched(view_case)
+def test_a_view_sent_beside_its_base_is_changed_in_place_with_it(mpi: MpiRun, schedule: str) -> None:
+    """Stage 0 returns (h, h[:, :2]); stage 1 scales the view in place, which in one process scales h's first two
+    columns too. Sent as two tensors, h kept its old values (weights off by about 0.1 after 3 steps); now the view
+    travels inside h and is rebuilt as a view of it (structure.py)."""
+    want = reference("tests.models_grads:viewed", SMALL, steps=3, microbatches=4, optimizer="sgd", lr=0.05)
+    assert_same(saved(mpi), want)
+
+
 def unused_2bw(d: Path, late: str) -> Case:
     case = train(d, "tests.models_grads:unused", SMALL, [(1, 1), (2, 2)], schedule="2bw", m=4, steps=3,
                  extra=["--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.01"])  # the reference's AdamW
