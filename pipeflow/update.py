@@ -200,7 +200,10 @@ class Update:
 
     def _apply(self, ok: bool, *, overlap: bool, index: int, norm: Norm | None = None) -> None:
         if self.clip is not None and norm is not None:  # scaled even when skipped: every rank waits for its norm
-            grads = [p.grad for p, keep in zip(self.params, self.held_mask) if keep and p.grad is not None]
+            # Every gradient the norm counted, as clip_grad_norm_(model.parameters()) scales them: those of parameters
+            # the optimizer leaves out too (they add up from step to step, as in one process); sharded, the owned.
+            grads = [p.grad for p, keep in zip(self.params, self.held_mask)
+                     if (keep or self.shard is None) and p.grad is not None]
             ok = self.clip.scale(norm, grads, self.optimizer) and ok
         if self.lr is not None:
             self.lr.set(index)

@@ -121,5 +121,39 @@ def main_trainable_only(argv: list[str]) -> int:
     return 0
 
 
+CLIP = 0.05  # main_clip_subset's max norm: every step's gradient is larger
+
+
+def clip_subset_reference() -> dict[str, torch.Tensor]:
+    """One process: an optimizer over every parameter but layer 1's (left trainable: its gradients add up from step
+    to step, never zeroed), clip_grad_norm_ over the whole model before each step."""
+    net = nn.Sequential(*model())
+    opt = torch.optim.SGD([p for n, p in net.named_parameters() if not n.startswith("1.")], lr=LR)
+    for x, y in batches():
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        nn.utils.clip_grad_norm_(net.parameters(), CLIP)
+        opt.step()
+    return {k: v.detach() for k, v in net.state_dict().items()}
+
+
+def main_clip_subset(argv: list[str]) -> int:
+    """OUT: clip_subset_reference's training over Pipeline.step (2 stages, clip_grad_norm); OUT/model.pt on rank 0."""
+    import pipeflow
+
+    layers = model()
+    left_out = {id(p) for p in layers[1].parameters()}
+    with pipeflow.Pipeline(layers, F.cross_entropy, schedule="1f1b", microbatches=4, device="cpu", clip_grad_norm=CLIP,
+                           optimizer=lambda ps: torch.optim.SGD([p for p in ps if id(p) not in left_out] or ps, lr=LR)
+                           ) as pipe:
+        for x, y in batches():
+            pipe.step(x, target=y)
+        state = pipe.state_dict()
+    if state is not None:
+        Path(argv[0]).mkdir(parents=True, exist_ok=True)
+        torch.save(state, Path(argv[0]) / "model.pt")
+    return 0
+
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
