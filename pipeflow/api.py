@@ -11,9 +11,11 @@ wrapper over it (runner.py). Run the script under MPI, every rank the same code 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -146,11 +148,12 @@ class Pipeline:
         elif x is not None or target is not None:
             raise ValueError("this Pipeline reads its data from the loader it was built with; call step()")
         self.in_step = True  # until the step ends: evaluate() refuses to run inside it
-        if self.engine.flush:
-            self.engine.train_step(self.step_count)
-        else:  # an asynchronous schedule: a segment of one minibatch, which fills and drains (stash.py)
-            self.engine.begin_segment(self.step_count, 1)
-            self.engine.run(self.engine.actions)
+        with self._all_or_none():
+            if self.engine.flush:
+                self.engine.train_step(self.step_count)
+            else:  # an asynchronous schedule: a segment of one minibatch, which fills and drains (stash.py)
+                self.engine.begin_segment(self.step_count, 1)
+                self.engine.run(self.engine.actions)
         self.in_step = False
         self.step_count += 1
         self.unread += 1
@@ -190,7 +193,26 @@ class Pipeline:
             data, first = feed, 0
         elif x is not None or target is not None:
             raise ValueError("Pipeline.evaluate takes the minibatch (x, target) or data=, not both")
-        return evaluate(self.engine, data, first)
+        with self._all_or_none():
+            return evaluate(self.engine, data, first)
+
+    @contextlib.contextmanager
+    def _all_or_none(self) -> Iterator[None]:
+        """A schedule's run in your loop (data given to step): an error on one rank (a layer's own, autograd's, out of
+        memory) left its peers waiting for it forever; the job now ends there, the error and its traceback on
+        stderr, as `python -m mpi4py` ends it (pipeflow-train reports and ends it itself)."""
+        try:
+            yield
+        except Exception as e:
+            if self.feed is None or self.world.size == 1:
+                raise
+            from pipeflow.control import abort_comm
+            from pipeflow.failure import say
+
+            say("".join(traceback.format_exception(e)) + f"pipeflow: rank {self.world.rank}: {type(e).__name__}: {e} "
+                "(its peers cannot go on without it: the job ends)")
+            abort_comm(self.world.mpi, 1)
+            raise
 
     def grad_norm(self) -> float | None:
         """With clip_grad_norm: the global L2 norm of the last clipped gradient before clipping (what

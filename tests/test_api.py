@@ -4,6 +4,7 @@ every step; its usage errors are one line."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 
 from pipeflow.api import BatchFeed, Pipeline
 from tests import api_user_loop
-from tests.conftest import Case, MpiRun, batched, write_plan
+from tests.conftest import Case, MpiRun, batched, in_background, run_mpi, write_plan
 
 # (name, -np, schedule, plan stages as (layers, replicas) or None for Pipeline's even split, loss owner rank)
 SETUPS = [("straight", 2, "1f1b", None, 1),
@@ -180,3 +181,16 @@ def test_clipping_scales_the_gradients_of_parameters_the_optimizer_leaves_out(mp
     want = api_user_loop.clip_subset_reference()
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-14, msg=k)
+
+
+@in_background
+def test_an_error_on_one_rank_inside_a_step_ends_the_job() -> None:
+    """The last stage's layer raises in the first step; the first stage, waiting for which gradients come back (MPI,
+    once per signature: pipeflow/gradients.py), waited forever. The job now ends there, the error and its traceback
+    on stderr, as `python -m mpi4py` ends it."""
+    t0 = time.monotonic()
+    proc = run_mpi(2, [], module="tests.api_failing_layer", timeout=120, check=False)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 60, proc.stderr
+    assert ("pipeflow: rank 1: RuntimeError: the layer's own bug (its peers cannot go on without it: the job ends)"
+            in proc.stderr), proc.stderr
+    assert "Traceback" in proc.stderr  # where it came from
