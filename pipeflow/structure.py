@@ -83,8 +83,7 @@ def split(out: Any) -> tuple[list[torch.Tensor], Tree]:
 
 def _views(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """id -> the tensor among `tensors` that holds it, for each one whose elements all lie inside another contiguous
-    one of the same storage and dtype (the largest such, the first of equals), unless it needs a gradient that one
-    does not (a view of a detached tensor is not one of the tensor)."""
+    one of the same storage and dtype (the largest such, the first of equals) and that is its view (`_view_of`)."""
     if len(tensors) < 2:
         return {}
     ptrs = [t.untyped_storage().data_ptr() if t.device.type != "meta" and t.numel() else None for t in tensors]
@@ -105,9 +104,31 @@ def _views(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
                    and span(b)[0] <= lo and hi <= span(b)[1]]
         if holders:
             base = max(holders, key=lambda h: h[:2])[2]
-            if base is not t and (base.requires_grad or not t.requires_grad):
+            if base is not t and _view_of(t, base):
                 out[id(t)] = base
     return out
+
+
+# torch's own view operations (their backward puts the gradient back where the view's elements lie in the base)
+_VIEW_NODES = {"AliasBackward", "AsStridedBackward", "DiagonalBackward", "ExpandBackward", "PermuteBackward",
+               "SelectBackward", "SliceBackward", "SplitBackward", "SplitWithSizesBackward", "SqueezeBackward",
+               "TBackward", "TransposeBackward", "UnbindBackward", "UnsqueezeBackward", "ViewBackward"}
+
+
+def _view_of(t: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether `t`'s gradient is the base's gradient where t's elements lie: t needs none, or one torch view
+    operation made it from `base` and no hook reads its gradient. A custom Function whose forward returns a view (a
+    gradient-reversal layer), a hook on t, or a chain of operations in between have their own backward: t travels
+    apart, as before."""
+    if not t.requires_grad:
+        return True
+    node = t.grad_fn
+    if node is None or not base.requires_grad or t._backward_hooks or t.retains_grad:
+        return False
+    if node.name().rstrip("0123456789") not in _VIEW_NODES or len(node.next_functions) != 1:
+        return False
+    parent = node.next_functions[0][0]
+    return parent is base.grad_fn if base.grad_fn is not None else getattr(parent, "variable", None) is base
 
 
 def join(tensors: list[torch.Tensor], tree: Tree) -> Any:

@@ -129,6 +129,41 @@ class ScaleView(nn.Module):
         return self.fc(h) + self.head(v)
 
 
+class _Reverse(torch.autograd.Function):
+    """Gradient reversal (DANN): the identity forward, as a view; the gradient negated."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return -grad
+
+
+class WithReversed(WithView):
+    """(h, reverse(h)): the second output shares h's memory but has a backward of its own."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.fc(x))
+        return h, _Reverse.apply(h)
+
+
+class BothHeads(nn.Module):
+    def __init__(self, hidden: int, classes: int) -> None:
+        super().__init__()
+        self.fc, self.domain = nn.Linear(hidden, classes), nn.Linear(hidden, classes)
+
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.fc(x[0]) + self.domain(x[1])
+
+
+def reversed_view(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
+    """Layers: input, WithReversed, BothHeads: the reversed tensor crosses the boundary beside h."""
+    layers: list[nn.Module] = [Inp(d_in, hidden), WithReversed(hidden), BothHeads(hidden, classes)]
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
+
+
 def viewed(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
     """Layers: input, WithView, ScaleView: cut between the last two, the view crosses the boundary with its base."""
     layers: list[nn.Module] = [Inp(d_in, hidden), WithView(hidden), ScaleView(hidden, classes)]

@@ -196,25 +196,37 @@ def test_no_new_hand_written_tree_walkers() -> None:
 
 
 def test_a_view_inside_another_output_travels_inside_it_and_is_rebuilt_as_its_view():
-    """(h, h[:, 0], h.t(), h[1:].t()): one tensor sent, the others rebuilt on it, an in-place change to one seen in
-    all, as in one process; a view of a non-contiguous tensor, of another dtype or needing a gradient its holder
-    does not travels on its own."""
+    """(h, h[:, 0], h.t(), h[1:]): one tensor sent, the others rebuilt on it, an in-place change to one seen in all, as
+    in one process. Apart, as before: a view of a non-contiguous tensor, one needing a gradient its holder does not
+    carry, and one whose gradient is not just the holder's where its elements lie: made by a custom Function (a
+    gradient-reversal layer), read by a hook, or made by more than one operation."""
     from pipeflow.received import received
     from pipeflow.structure import join, split
 
     h = torch.arange(12.0).reshape(3, 4).requires_grad_(True) * 1
-    sent, tree = split((h, h[:, 0], h.t(), h[1:].t()))
+    sent, tree = split((h, h[:, 0], h.t(), h[1:]))
     assert len(sent) == 1 and sent[0] is h and tree is not None
     leaf = sent[0].detach().clone().requires_grad_(True)  # what the next stage receives
     got = join(received([leaf]), tree)
-    assert [tuple(t.shape) for t in got] == [(3, 4), (3,), (4, 3), (4, 2)]
-    assert all(torch.equal(a, b) for a, b in zip(got, (h, h[:, 0], h.t(), h[1:].t())))
+    assert [tuple(t.shape) for t in got] == [(3, 4), (3,), (4, 3), (2, 4)]
+    assert all(torch.equal(a, b) for a, b in zip(got, (h, h[:, 0], h.t(), h[1:])))
     got[1].mul_(10)  # the first column, seen through every other output
     assert got[0][:, 0].tolist() == [0.0, 40.0, 80.0] and got[2][0].tolist() == [0.0, 40.0, 80.0]
     (got[0].sum() + got[3].sum()).backward()
     assert leaf.grad is not None and leaf.grad[:, 0].tolist() == [10.0, 20.0, 20.0]
+
+    class Reverse(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+            return -g
+
+    hooked = h[:, 0]
+    hooked.register_hook(lambda g: 5 * g)
     t = h.t()  # not contiguous: its view travels apart
-    assert len(split((t, t[0]))[0]) == 2
+    for apart in ((t, t[0]), (h.detach(), h[:, 0]), (h, Reverse.apply(h)), (h, hooked), (h, h[1:].t())):
+        assert len(split(apart)[0]) == 2
     assert len(split((h, h.detach()[:, 0]))[0]) == 1  # a detached view of h: inside h, no gradient
-    d = h.detach()
-    assert len(split((d, h[:, 0]))[0]) == 2  # h[:, 0] needs a gradient that d does not carry
