@@ -8,7 +8,8 @@ returned twice, (h, h), travels once and arrives as one tensor in both places, a
 to one is seen in the other; their gradients add up in one buffer). So does a tensor that is a view inside another
 one returned beside it, (h, h[:, 0]) or (h, h.t()): it travels inside the other and arrives as the same view of it,
 so an in-place change to either is seen in both, as in one process (sent apart, a change to one was lost to the
-other: weights off by 0.06-0.13 after 3 steps); the other must be contiguous and hold the view's every element."""
+other: weights off by 0.06-0.13 after 3 steps); the other must be contiguous and hold the view's every element,
+and the view be made from it by one torch view operation with no hook on it (`_view_of`)."""
 from __future__ import annotations
 
 from typing import Any
