@@ -129,7 +129,7 @@ class ScaleView(nn.Module):
         return self.fc(h) + self.head(v)
 
 
-class _Reverse(torch.autograd.Function):
+class Reverse(torch.autograd.Function):
     """Gradient reversal (DANN): the identity forward, as a view; the gradient negated."""
 
     @staticmethod
@@ -146,7 +146,7 @@ class WithReversed(WithView):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = torch.tanh(self.fc(x))
-        return h, _Reverse.apply(h)
+        return h, Reverse.apply(h)
 
 
 class BothHeads(nn.Module):

@@ -202,6 +202,7 @@ def test_a_view_inside_another_output_travels_inside_it_and_is_rebuilt_as_its_vi
     gradient-reversal layer), read by a hook, or made by more than one operation."""
     from pipeflow.received import received
     from pipeflow.structure import join, split
+    from tests.models_grads import Reverse
 
     h = torch.arange(12.0).reshape(3, 4).requires_grad_(True) * 1
     sent, tree = split((h, h[:, 0], h.t(), h[1:]))
@@ -214,15 +215,6 @@ def test_a_view_inside_another_output_travels_inside_it_and_is_rebuilt_as_its_vi
     assert got[0][:, 0].tolist() == [0.0, 40.0, 80.0] and got[2][0].tolist() == [0.0, 40.0, 80.0]
     (got[0].sum() + got[3].sum()).backward()
     assert leaf.grad is not None and leaf.grad[:, 0].tolist() == [10.0, 20.0, 20.0]
-
-    class Reverse(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
-            return -g
 
     hooked = h[:, 0]
     hooked.register_hook(lambda g: 5 * g)
