@@ -167,9 +167,10 @@ class Engine:
             if a.kind is Kind.RECV_F:
                 recv_f.ahead(key, self._peer(a), self._signature(k - 1, step, i))
             elif a.kind is Kind.RECV_B:  # ahead once F(i) ran and the peer said which gradients come, in order
-                known = key in outputs and self.p2p.knows(self._peer(a), signature_of(self._signature(k, step, i)))
+                sig = self._signature(k, step, i)
+                known = key in outputs and self.p2p.knows(self._peer(a), signature_of(sig))
                 known = known and None not in recv_b.values()  # none left for its B posted before this one
-                recv_b[key] = recv_grads(self.p2p, self._peer(a), self._signature(k, step, i)) if known else None
+                recv_b[key] = recv_grads(self.p2p, self._peer(a), sig) if known else None
             elif a.kind is Kind.F:
                 posted = None if stage.first else recv_f.take(key)
                 outputs[key] = self._forward(stage, step, a, posted)

@@ -95,14 +95,14 @@ def _views(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
         lo = int(t.storage_offset())
         return lo, lo + 1 + sum((int(n) - 1) * int(st) for n, st in zip(t.shape, t.stride()))
 
+    spans = [span(t) if p is not None else (0, 0) for t, p in zip(tensors, ptrs)]
     out: dict[int, torch.Tensor] = {}
     for i, t in enumerate(tensors):
         if ptrs[i] is None:
             continue
-        lo, hi = span(t)
-        holders = [(span(b)[1] - span(b)[0], -j, b) for j, b in enumerate(tensors)
-                   if ptrs[j] == ptrs[i] and b.dtype == t.dtype and b.is_contiguous()
-                   and span(b)[0] <= lo and hi <= span(b)[1]]
+        lo, hi = spans[i]
+        holders = [(b_hi - b_lo, -j, b) for j, (b, (b_lo, b_hi)) in enumerate(zip(tensors, spans))
+                   if ptrs[j] == ptrs[i] and b.dtype == t.dtype and b.is_contiguous() and b_lo <= lo and hi <= b_hi]
         if holders:
             base = max(holders, key=lambda h: h[:2])[2]
             if base is not t and _view_of(t, base):
