@@ -242,7 +242,7 @@ class Pipeline:
         stage's first replica (None on the other ranks). Collective: call it on every rank."""
         mine = (self.engine.stage.start, self.engine.state_dict()) if self.engine.r == 0 else None
         parts = self.world.mpi.gather(mine, root=0)
-        if self.world.rank != 0:
+        if parts is None:  # not rank 0
             return None
         full: dict[str, torch.Tensor] = {}
         for _, part in sorted((p for p in parts if p is not None), key=lambda p: p[0]):

@@ -16,7 +16,7 @@ from pipeflow.bufpool import BufferPool
 from pipeflow.celink import CopyEngines
 from pipeflow.cesetup import p2p_transport
 from pipeflow.cesetup import setup as setup_copy_engines
-from pipeflow.control import META_TAG  # the shape/dtype messages; MPI keeps one (source, tag)'s in order
+from pipeflow.control import META_TAG, Control  # the shape/dtype messages; MPI keeps one (source, tag)'s in order
 from pipeflow.cudaenv import eager_cuda_modules
 from pipeflow.hostmem import keep_freed_host_memory
 from pipeflow.structure import shape_change
@@ -34,7 +34,7 @@ class World:
     local_rank: int
     device: torch.device
     backend: str
-    mpi: Any = field(repr=False)  # mpi4py.MPI.Comm (COMM_WORLD)
+    mpi: Control = field(repr=False)  # COMM_WORLD's control channel (pipeflow.control)
 
 
 def _free_port() -> int:
@@ -72,7 +72,7 @@ def init_world(*, device: str = "auto", timeout_s: float = 300.0) -> World:
         dev, backend = torch.device("cpu"), "gloo"
     else:
         raise ValueError(f"--device must be auto, cpu or cuda, found {device!r}")
-    world = World(rank, size, local_rank, dev, backend, comm)
+    world = World(rank, size, local_rank, dev, backend, Control(comm))
     if size == 1 or dist.is_initialized():
         return world
     addr = None
@@ -81,7 +81,7 @@ def init_world(*, device: str = "auto", timeout_s: float = 300.0) -> World:
         if host is None:
             host = "127.0.0.1" if local_size == size else socket.gethostbyname(socket.gethostname())
         addr = (host, int(os.environ.get("MASTER_PORT", 0)) or _free_port())
-    host, port = comm.bcast(addr, root=0)
+    host, port = world.mpi.bcast(addr, root=0)
     kwargs: dict[str, Any] = {}
     if backend == "nccl" and os.environ.get("PIPEFLOW_NCCL_EAGER_INIT") == "1":
         # Eager init serializes each 2-rank group's p2p ops; lazy gives a channel its own communicator (warm_up).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -79,14 +80,17 @@ class Control:
 
     def allgather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank."""
+        arrive(self.comm)
         return list(self.comm.allgather(obj))
 
     def bcast(self, obj: Any, root: int = 0) -> Any:
         """`root`'s `obj` on every rank."""
+        arrive(self.comm)
         return self.comm.bcast(obj, root=root)
 
     def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
         """Every rank's `obj` in rank order on `root`; None elsewhere."""
+        arrive(self.comm)
         got = self.comm.gather(obj, root=root)
         return list(got) if got is not None else None
 
@@ -95,7 +99,15 @@ class Control:
         return allreduce_max(self.comm, mine)
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        arrive(self.comm)
+
+    def Barrier(self) -> None:  # noqa: N802 (mpi4py's name, for modules written against a communicator)
+        arrive(self.comm)
+
+    def recv(self, *, source: int, tag: int) -> Any:
+        """The next message of `tag` from `source`, waited for without spinning a core (`quiet_wait`)."""
+        quiet_wait(lambda: bool(self.comm.iprobe(source=source, tag=tag)))
+        return self.comm.recv(source=source, tag=tag)
 
     def abort(self, code: int) -> None:
         """End every rank of the job with exit code `code` (MPI Abort): for errors the ranks cannot agree on."""
@@ -126,8 +138,34 @@ def allreduce_max(comm: Any, mine: np.ndarray) -> np.ndarray:
     from mpi4py import MPI
 
     every = np.empty_like(mine)
-    comm.Allreduce(mine, every, op=MPI.MAX)
+    quiet_wait(comm.Iallreduce(mine, every, op=MPI.MAX).Test)
     return every
+
+
+# MPICH's blocking calls wait by polling: a rank waiting in MPI_Recv keeps a core 100% busy (MPI_Barrier about a
+# third of one), whatever MPIR_CVAR_ENABLE_HEAVY_YIELD says. Ranks wait there for the slowest rank at every step's
+# agreement and for a peer's first message, so on a host with fewer free cores than ranks (CPU training, the test
+# machine's 2 cores) the waiting ranks took the CPU from the one they waited for. `quiet_wait` polls the request
+# instead, sleeping between polls: QUIET_SPIN_S of plain polling (a peer that is nearly there costs no sleep), then
+# sleeps growing to QUIET_MAX_SLEEP_S, the most it can add to a wait.
+QUIET_SPIN_S = 50e-6
+QUIET_MAX_SLEEP_S = 500e-6
+
+
+def quiet_wait(done: Callable[[], bool]) -> None:
+    """Return once `done()` (an MPI request's Test) is true, polling it without keeping a core busy."""
+    start = time.perf_counter()
+    pause = 10e-6
+    while not done():
+        if time.perf_counter() - start > QUIET_SPIN_S:
+            time.sleep(pause)
+            pause = min(pause * 2, QUIET_MAX_SLEEP_S)
+
+
+def arrive(comm: Any) -> None:
+    """A barrier on `comm`, waited for quietly (`quiet_wait`): before a blocking collective, so that it only
+    runs once every rank is there."""
+    quiet_wait(comm.Ibarrier().Test)
 
 
 class Inbox:

@@ -558,6 +558,16 @@ def mpi(request: pytest.FixtureRequest, _mpi_batches: Batches) -> MpiRun:
     return run
 
 
+@pytest.fixture(autouse=True)
+def one_thread() -> None:
+    """Every in-process test runs torch on one thread, as a rank under mpirun does. With two, torch's OpenMP
+    workers wait for each other by spinning: beside the batches' ranks on the 2-core machine, a test taking 0.3 s
+    alone took 6 s. A test that needs another count sets it itself."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture
 def one_rank_group() -> Iterator[Any]:
     """A gloo world of one in this process: the reducer's collectives run, the sums are the inputs."""

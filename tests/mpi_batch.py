@@ -95,10 +95,10 @@ def main(argv: list[str]) -> int:
         print("usage: mpirun -np N python -m tests.mpi_batch cases.json", file=sys.stderr)
         return 2
     start_up()
-    from mpi4py import MPI
+    from pipeflow.control import Control
 
-    comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
+    comm = Control.world()  # its waits leave the core to the ranks still working (pipeflow.control.quiet_wait)
+    rank = comm.rank
     cases = json.loads(Path(argv[0]).read_text())
     for case in cases:
         failed = None
@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
         # Every rank starts a case together (no message of the previous one is pending), knowing whether
         # its `before` failed.
         failed = comm.bcast(failed, root=0)
-        comm.Barrier()
+        comm.barrier()
         t0 = time.perf_counter()
         if failed is None:
             code = run_case(case, rank)
@@ -125,7 +125,7 @@ def main(argv: list[str]) -> int:
             code = 1
         result = {"returncode": code, "seconds": round(time.perf_counter() - t0, 3)}
         (Path(case["out"]) / f"rank{rank}.json").write_text(json.dumps(result))
-    comm.Barrier()
+    comm.barrier()
     return 0
 
 

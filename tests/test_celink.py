@@ -264,7 +264,9 @@ def test_a_receive_that_never_arrives_is_reported_after_the_timeout(pair: Any, m
                                                                      ) -> None:
     gpu, on = pair
     clock = [100.0]
-    monkeypatch.setattr(celink.time, "monotonic", lambda: clock[0])
+    # celink's own clock only: patching the time module's would stop every other thread's clock too (the
+    # background tests', conftest.in_background)
+    monkeypatch.setattr(celink, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     on(0).send(KEY, _message(0, 10))  # the ring is known: the second receive is posted on the GPU
     first = _empty_like(_message(0, 10))
     on(1).recv(KEY, first).wait()

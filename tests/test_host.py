@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +16,7 @@ from mpi4py import MPI
 from pipeflow.failure import NonFiniteError
 from pipeflow.guard import StepGuard
 from pipeflow.signals import SignalStop
+from tests.conftest import Case, MpiRun, batched
 
 
 @contextlib.contextmanager
@@ -411,3 +414,19 @@ def test_tensors_between_stages_whose_shapes_follow_the_data_are_refused_in_one_
         "the tensors sent to rank 1 changed from [(4, 8) float64] to [(2, 8) float64] (or their structure) "
         "for inputs of the same shapes ((4, 8),); what crosses a stage boundary must depend on the input's shapes "
         "only: keep a data-dependent shape, as x[mask], inside a stage, or pad it")
+
+
+def late_peer(d: Path) -> Case:
+    return Case(2, [str(d / "spent.json")], main="tests.quiet_ranks:main")
+
+
+@batched(late_peer)
+def test_a_rank_waiting_for_a_late_peer_leaves_the_core_to_others(mpi: MpiRun) -> None:
+    """MPICH's blocking receive polls a core at 100% while it waits (its barrier about a third of one), so on a host
+    with fewer free cores than ranks a rank waiting at an agreement or for a first message took the CPU from the rank
+    it waited for. pipeflow.control's waits now sleep between polls: well under a fifth of the wait is CPU."""
+    spent = json.loads((mpi.dir / "spent.json").read_text())
+    assert set(spent) == {"recv", "allreduce_max", "allgather", "barrier"}
+    for name, s in spent.items():
+        assert s["wall"] > 0.4, (name, s)  # it did wait for the late rank
+        assert s["cpu"] < 0.2 * s["wall"], (name, s)

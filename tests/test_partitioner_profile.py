@@ -26,11 +26,6 @@ GOOD: dict[str, Any] = {
                 "activation_bytes": 262144, "parameter_bytes": 1048576} for i in range(4)]}
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> None:
-    torch.set_num_threads(1)  # tiny ops: threads only add noise on a shared 2-core machine
-
-
 def write(tmp_path: Path, d: Any) -> Path:
     p = tmp_path / "profile.json"
     p.write_text(json.dumps(d))

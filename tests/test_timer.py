@@ -3,6 +3,8 @@ idle device (pipeflow-profile's timing); held, the kernels back to back, the hol
 and a callable that waits for the device falls back to timing from an idle device."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -40,7 +42,8 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "Event", Event)
         monkeypatch.setattr(torch.cuda, "synchronize", self.sync)
         monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: self.launch(cycles / Timer.CLOCK_HZ * 1e3, 0.0))
-        monkeypatch.setattr(measure.time, "perf_counter", lambda: self.host / 1e3)
+        # measure's own clock only, not the time module's (other threads read it: conftest.in_background)
+        monkeypatch.setattr(measure, "time", SimpleNamespace(perf_counter=lambda: self.host / 1e3))
 
 
 @pytest.fixture
