@@ -26,7 +26,7 @@ from pipeflow.data.loader import batch_leaf
 from pipeflow.received import received
 from pipeflow.spec import model_dtype
 from pipeflow.split import WeightGradStore, install
-from pipeflow.structure import OutputError, Tree, join, split
+from pipeflow.structure import OutputError, Tree, check_shared, join, shared_versions, split
 
 _MASK64 = (1 << 64) - 1
 
@@ -125,13 +125,17 @@ class Stage:
         stage's layer returned (`tree`, structure.py). On the last stage returns [loss] (detached, unscaled);
         elsewhere the tensors to send (their structure in `trees[mb]`). `global_mb` is the microbatch's index in
         the data order (default `mb`): it seeds the layers."""
+        watch = None
         if self.first:
             x = self._batch(inputs)
             leaves: list[torch.Tensor] = []
         else:
             leaves = [t for t in inputs if t.requires_grad]
             x = join(received(inputs), tree)  # may be changed in place (received.py); views of the aliases
+            watch = shared_versions(inputs, tree)
         out = self.run_layers(mb if global_mb is None else global_mb, x)
+        if watch is not None:
+            check_shared(inputs, tree, watch, self._name())
         if self.last:
             loss = self._loss(out, target)
             self.saved[mb] = _Saved(leaves, [loss * loss_scale])
@@ -144,8 +148,16 @@ class Stage:
                  tree: Tree = None) -> tuple[list[torch.Tensor], Tree]:
         """Forward only (pipeflow/evaluate.py, under torch.no_grad): nothing is kept for a backward. On the last
         stage ([loss], None), elsewhere the tensors to send and their structure. `t` seeds the layers."""
+        watch = None if self.first else shared_versions(inputs, tree)
         out = self.run_layers(t, self._batch(inputs) if self.first else join(inputs, tree))
+        if watch is not None:
+            check_shared(inputs, tree, watch, self._name())
         return ([self._loss(out, target)], None) if self.last else self._split(out)
+
+    def _name(self) -> str:
+        """These layers, as an error names them."""
+        return f"layers {self.start}-{self.start + len(self.module) - 1}" if len(self.module) > 1 else \
+            f"layer {self.start} ({type(self.module[0]).__name__})"
 
     def _batch(self, inputs: Any) -> Any:
         """The first stage's input: on the device, floating tensors in the stage's dtype."""

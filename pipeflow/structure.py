@@ -9,9 +9,13 @@ to one is seen in the other; their gradients add up in one buffer). So does a te
 one returned beside it, (h, h[:, 0]) or (h, h.t()): it travels inside the other and arrives as the same view of it,
 so an in-place change to either is seen in both, as in one process (sent apart, a change to one was lost to the
 other: weights off by 0.06-0.13 after 3 steps); the other must be contiguous and hold the view's every element,
-and the view be made from it by one torch view operation with no hook on it (`_view_of`)."""
+and the view be made from it by one torch view operation with no hook on it (`_view_of`). Other tensors that share
+memory (chunks of one tensor, a view of a non-contiguous one or made by several operations) travel apart, and the
+receiving stage stops in one line if its layers change one of them in place where it overlaps another (`check_shared`):
+in one process the other would see the change."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -20,10 +24,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, tr
 from pipeflow.failure import UsageError
 
 CONSTANTS = (type(None), bool, int, float, str)
+# Where a sent tensor lies in the memory it shares with others on the sending stage: (its index among the sent,
+# size, stride, storage offset, bytes per element); strides and offset in elements.
+Layout = tuple[int, tuple[int, ...], tuple[int, ...], int, int]
 # (spec as text, per leaf: None where the next tensor sent goes, k where the k-th sent goes again, (the constant,),
-# or ("view", k, size, stride, offset, requires grad): a view of the k-th sent); None: a tensor, or a flat tuple of
-# distinct tensors
-Tree = tuple[str, tuple[tuple[Any, ...] | int | None, ...]] | None
+# or ("view", k, size, stride, offset, requires grad): a view of the k-th sent; then the groups of sent tensors that
+# share memory on the sending stage, as Layouts); None: a tensor, or a flat tuple of distinct tensors
+Tree = tuple[str, tuple[tuple[Any, ...] | int | None, ...], tuple[tuple[Layout, ...], ...]] | None
 
 
 class OutputError(UsageError):
@@ -55,7 +62,9 @@ def split(out: Any) -> tuple[list[torch.Tensor], Tree]:
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     unique = list({id(t): t for t in tensors}.values())  # in order of first appearance
     inside = _views(unique)
-    if len(unique) == len(tensors) and not inside and isinstance(out, tuple) and len(out) > 1 and all(
+    sending = [t for t in unique if id(t) not in inside]
+    shared = _shared(sending)
+    if len(unique) == len(tensors) and not inside and not shared and isinstance(out, tuple) and len(out) > 1 and all(
             isinstance(v, torch.Tensor) for v in out):
         return tensors, None
     try:
@@ -63,7 +72,6 @@ def split(out: Any) -> tuple[list[torch.Tensor], Tree]:
     except NotImplementedError:
         raise OutputError(f"a stage's output holds a {type(out).__name__} around other containers, whose structure "
                           f"cannot be sent to the next stage; expected tuples, lists and dicts") from None
-    sending = [t for t in unique if id(t) not in inside]
     sent = {id(t): k for k, t in enumerate(sending)}  # id -> its index among the tensors sent
     marks: list[tuple[Any, ...] | int | None] = []
     placed: set[int] = set()
@@ -79,7 +87,81 @@ def split(out: Any) -> tuple[list[torch.Tensor], Tree]:
         else:
             placed.add(id(leaf))
             marks.append(None)
-    return sending, (text, tuple(marks))
+    return sending, (text, tuple(marks), shared)
+
+
+def _pointers(tensors: list[torch.Tensor]) -> list[int | None]:
+    """Each tensor's storage address (None for one with no memory)."""
+    return [t.untyped_storage().data_ptr() if t.device.type != "meta" and t.numel() else None for t in tensors]
+
+
+def _shared(tensors: list[torch.Tensor]) -> tuple[tuple[Layout, ...], ...]:
+    """The groups of `tensors` (those sent) that share a storage, as their Layouts; () when none do."""
+    by_storage: dict[int, list[int]] = {}
+    for k, p in enumerate(_pointers(tensors)):
+        if p is not None:
+            by_storage.setdefault(p, []).append(k)
+    groups = [ks for ks in by_storage.values() if len(ks) > 1]
+    # Offsets from the group's first element: the same for every microbatch of the same input shapes, wherever in
+    # its storage the layer wrote (they travel once per input signature, with the shapes: comm.P2P's meta).
+    first = [min(int(tensors[k].storage_offset()) for k in ks) for ks in groups]
+    return tuple(tuple((k, tuple(tensors[k].shape), tuple(tensors[k].stride()), int(tensors[k].storage_offset()) - lo,
+                        tensors[k].element_size()) for k in ks) for ks, lo in zip(groups, first))
+
+
+def shared_versions(tensors: list[torch.Tensor], tree: Tree) -> list[int] | None:
+    """Before the layers run on received `tensors`: the version counters of those that shared memory on the sending
+    stage (None when none did), for `check_shared`."""
+    if tree is None or not tree[2]:
+        return None
+    return [tensors[m[0]]._version for group in tree[2] for m in group]
+
+
+def check_shared(tensors: list[torch.Tensor], tree: Tree, before: list[int], layers: str) -> None:
+    """After the layers ran: an OutputError if they changed in place a received tensor where it overlaps another
+    that shared its memory on the sending stage. The two arrived apart, so the other did not see the change, as it
+    would in one process."""
+    assert tree is not None
+    versions = iter(before)
+    for group in tree[2]:
+        changed = [m for m in group if tensors[m[0]]._version != next(versions)]
+        for a in changed:
+            for b in group:
+                if b is not a and _overlap(a, b):
+                    leaf = [i for i, mark in enumerate(tree[1]) if mark is None]
+                    raise OutputError(
+                        f"{layers} changed in place a received tensor (leaf {leaf[a[0]]} of the previous "
+                        f"stage's output, depth first) that shares memory there with leaf {leaf[b[0]]}; the two "
+                        "cross apart (only a view made by one torch view operation of a contiguous tensor sent "
+                        "beside it travels inside it), so the other would not see the change as in one process: "
+                        "change a copy (x = x.clone()), or return a .clone() of one of them")
+
+
+@functools.lru_cache(maxsize=64)
+def _overlap(a: Layout, b: Layout) -> bool:
+    """Whether two layouts on one storage share an element: each of a's elements (a slice of its outermost
+    dimension at a time) is located in b by dividing its offset by b's strides, largest first, which is exact when
+    each of b's strides exceeds the span of the smaller ones (any view made by torch's view operations of a tensor
+    without internal overlap; otherwise they count as overlapping). On the error's path only: a microbatch whose
+    layers changed a shared tensor in place. Elements of different sizes count as overlapping."""
+    if a[4] != b[4]:
+        return True
+    _, size, stride, offset, _ = a
+    dims = sorted((st, n) for n, st in zip(b[1], b[2]) if n > 1 and st > 0)[::-1]
+    if any(st <= sum((n - 1) * s for s, n in dims[d + 1:]) for d, (st, _) in enumerate(dims)):
+        return True  # strides that do not nest (only as_strided makes them): the division is not exact
+    inner = torch.zeros((), dtype=torch.int64)
+    for n, st in list(zip(size, stride))[1:]:
+        inner = (inner.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st)
+    for i in range(size[0] if size else 1):
+        rel = (inner.flatten() + offset + (i * stride[0] if size else 0)) - b[3]
+        found = rel >= 0
+        for st, n in dims:
+            k = torch.clamp(torch.div(rel, st, rounding_mode="floor"), 0, n - 1)
+            rel = rel - k * st
+        if bool((found & (rel == 0)).any()):
+            return True
+    return False
 
 
 def _views(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -87,7 +169,7 @@ def _views(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     one of the same storage and dtype (the largest such, the first of equals) and that is its view (`_view_of`)."""
     if len(tensors) < 2:
         return {}
-    ptrs = [t.untyped_storage().data_ptr() if t.device.type != "meta" and t.numel() else None for t in tensors]
+    ptrs = _pointers(tensors)
     if len({p for p in ptrs if p is not None}) == sum(p is not None for p in ptrs):
         return {}  # no two share memory: the common case, one storage lookup each
 
@@ -137,7 +219,7 @@ def join(tensors: list[torch.Tensor], tree: Tree) -> Any:
     tensors the layers are to see, received.py's aliases, so that a view is one of what they see)."""
     if tree is None:
         return tensors[0] if len(tensors) == 1 else tuple(tensors)
-    text, marks = tree
+    text, marks, _ = tree
     given, leaves = iter(tensors), []
     for mark in marks:
         if mark is None:

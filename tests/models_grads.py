@@ -427,3 +427,45 @@ def frozen_prefix(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int
         layer.requires_grad_(False)
     layers[3].fc.bias.requires_grad_(False)
     return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
+
+
+class Halves(WithView):
+    """(h[:, :4], h[:, 4:]): two tensors on one storage with no element in common."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        half = h.shape[1] // 2
+        return h[:, :half], h[:, half:]
+
+
+class Strided(WithView):
+    """(h[:, ::2], h[:, :2]): neither holds the other, and they share h's first column."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        return h[:, ::2], h[:, :2]
+
+
+class ScaleSecond(nn.Module):
+    """Scales the second of two tensors in place, then reads both."""
+
+    def __init__(self, first: int, second: int, classes: int) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(first, classes), nn.Linear(second, classes)
+
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h, v = x
+        v.mul_(3)
+        return self.fc(h) + self.head(v)
+
+
+def halves(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
+    """Layers: input, Halves, ScaleSecond: cut before the last, the halves cross apart."""
+    layers: list[nn.Module] = [Inp(d_in, hidden), Halves(hidden), ScaleSecond(hidden // 2, hidden // 2, classes)]
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
+
+
+def strided(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
+    """Layers: input, Strided, ScaleSecond: cut before the last, the two overlapping views cross apart."""
+    layers: list[nn.Module] = [Inp(d_in, hidden), Strided(hidden), ScaleSecond(hidden // 2, 2, classes)]
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))

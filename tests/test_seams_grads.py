@@ -19,6 +19,7 @@ from pipeflow.engine import WeightPolicy
 from pipeflow.reduce import find_ties
 from pipeflow.spec import build_model
 from pipeflow.stage import Stage
+from pipeflow.structure import OutputError
 from tests.conftest import Case, MpiRun, batched, in_background, run_mpi, write_plan
 from tests.reference import reference_delayed, reference_flush
 
@@ -508,3 +509,34 @@ def test_reducer_launches_during_backward_only_what_is_final(one_rank_group):
     red.arm([loss])
     loss.backward()
     assert red.works == []
+
+
+def _across(model: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One microbatch's loss in one process, and through two stages cut before the last layer, stage 0's output
+    crossing as separate tensors, as comm.P2P delivers them."""
+    spec = build_model(f"tests.models_grads:{model}", SMALL, seed=0)
+    x, y = MicrobatchLoader(spec.dataset, B, seed=0).microbatch(0)
+    cpu = torch.device("cpu")
+    first = Stage(spec.layers[:2], start=0, first=True, last=False, loss_fn=None, device=cpu, dtype=torch.float64)
+    last = Stage(spec.layers[2:], start=2, first=False, last=True, loss_fn=spec.loss_fn, device=cpu,
+                 dtype=torch.float64)
+    want = spec.loss_fn(last.module(first.module(x.double())), y)
+    sent = [t.detach().clone().requires_grad_(t.requires_grad) for t in first.forward(0, x)]
+    return want, last.forward(0, sent, y, tree=first.trees[0])[0]
+
+
+def test_tensors_sharing_memory_without_a_common_element_cross_apart_and_change_alone() -> None:
+    """(h[:, :4], h[:, 4:]): the next stage scales the second half in place; in one process the first half is
+    untouched too, so the two cross as separate tensors and nothing is refused."""
+    want, got = _across("halves")
+    torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-14)
+
+
+def test_a_tensor_changed_in_place_where_another_sent_apart_shares_it_stops_in_one_line() -> None:
+    """(h[:, ::2], h[:, :2]) share h's first column, and neither travels inside the other: the next stage scaled the
+    second in place, which in one process changes the first's first column too. Sent apart, the first kept its values
+    (the loss silently differed); now the receiving stage stops with one line (exit 2 under pipeflow-train)."""
+    with pytest.raises(OutputError, match=r"^layer 2 \(ScaleSecond\) changed in place a received tensor \(leaf 1 of "
+                                          r"the previous stage's output, depth first\) that shares memory there "
+                                          r"with leaf 0; the two cross apart .* return a \.clone\(\) of one of them$"):
+        _across("strided")
