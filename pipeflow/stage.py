@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from pipeflow.data.loader import batch_leaf
+from pipeflow.failure import UsageError
 from pipeflow.received import received
 from pipeflow.spec import model_dtype
 from pipeflow.split import WeightGradStore, install
@@ -167,7 +168,18 @@ class Stage:
     def _loss(self, out: Any, target: torch.Tensor | None) -> torch.Tensor:
         if self.loss_fn is None or target is None:
             raise RuntimeError("the last stage needs a loss function and a target")
-        return self.loss_fn(out, to_device(target, self.device))
+        loss = self.loss_fn(out, to_device(target, self.device))
+        # Checked before its backward, which would fail with autograd's traceback on this rank alone ("grad can be
+        # implicitly created only for scalar outputs", "element 0 of tensors does not require grad").
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
+            found = (f"a {type(loss).__name__}" if not isinstance(loss, torch.Tensor) else
+                     f"a tensor of shape {tuple(loss.shape)} and dtype {str(loss.dtype).removeprefix('torch.')}")
+            raise UsageError(f"the loss must be one floating-point number per microbatch (a 0-dim tensor, e.g. a mean "
+                             f"over its samples); loss_fn returned {found}")
+        if torch.is_grad_enabled() and not loss.requires_grad:
+            raise UsageError("the loss needs a gradient to train on, but loss_fn returned a tensor that does not "
+                             "require grad: was it computed under torch.no_grad(), or from .detach()ed outputs?")
+        return loss
 
     def _split(self, out: Any) -> tuple[list[torch.Tensor], Tree]:
         try:

@@ -280,3 +280,23 @@ def test_ctrl_c_of_mpirun_during_async_without_checkpoint_dir_stops_cleanly(tmp_
     assert "Traceback" not in err and "Segmentation" not in err and "signal 11" not in err, err
     assert proc.returncode == 130, err
     assert took < 15
+
+
+@pytest.mark.parametrize("loss_fn, found", [
+    (torch.nn.CrossEntropyLoss(reduction="none"), r"loss_fn returned a tensor of shape \(4,\) and dtype float32$"),
+    (lambda out, y: (out.argmax(1) == y).sum(), r"loss_fn returned a tensor of shape \(\) and dtype int64$"),
+    (lambda out, y: torch.nn.functional.cross_entropy(out, y).item(), r"loss_fn returned a float$"),
+    (lambda out, y: torch.nn.functional.cross_entropy(out.detach(), y), r"^the loss needs a gradient to train on, "
+     r"but loss_fn returned a tensor that does not require grad: was it computed under torch.no_grad\(\), or from "
+     r"\.detach\(\)ed outputs\?$")])
+def test_a_loss_that_is_not_one_differentiable_number_stops_at_the_first_forward(loss_fn, found) -> None:
+    """A per-sample loss (reduction="none"), an integer count, a Python float or a detached loss: the last stage
+    stopped at its first backward with autograd's traceback on its rank alone; now its first forward raises one
+    line (a UsageError: exit 2 under pipeflow-train), before any backward or update."""
+    from pipeflow.stage import Stage
+
+    stage = Stage([torch.nn.Linear(3, 5)], start=1, first=False, last=True, loss_fn=loss_fn,
+                  device=torch.device("cpu"))
+    x = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(ValueError, match=found):
+        stage.forward(0, [x], torch.tensor([0, 1, 2, 3]))
