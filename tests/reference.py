@@ -188,13 +188,15 @@ def reference_delayed(model: str, model_args: dict[str, Any], *, schedule: str, 
         (spec.loss_fn(x, y) * scale).backward()
         for s in range(len(mods)):
             for k, v in used[s].items():
-                g = v.grad if v.grad is not None else torch.zeros_like(v)
-                pending[s][k] = pending[s][k] + g if k in pending[s] else g
+                if v.grad is not None:  # a parameter no microbatch of an update reached keeps no gradient
+                    pending[s][k] = pending[s][k] + v.grad if k in pending[s] else v.grad
         due = [s for s in range(len(mods)) if (t + 1) % per_update[s] == 0]
         for s in due:
             for k, p in mods[s].named_parameters():
-                g = pending[s].pop(k) / (per_update[s] if schedule == "async" else 1)
-                p.grad = g if p.requires_grad else None  # a frozen parameter stays as it is
+                g = pending[s].pop(k, None)
+                if g is not None and schedule == "async":
+                    g = g / per_update[s]
+                p.grad = g if p.requires_grad else None  # frozen or without a gradient: stays (AdamW's decay too)
         if clip is not None and due:
             norm = float(nn.utils.clip_grad_norm_(net.parameters(), clip))
             if norms is not None:
