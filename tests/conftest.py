@@ -53,7 +53,8 @@ A test whose body only starts processes (an mpirun it signals, a console script)
 did spends its time waiting on them, one core idle. `@in_background` (the marker `background`) runs its
 body in a second background thread from the session's start, one such test after the other in collection
 order, while the in-process tests and the batches run; the test itself comes after the in-process tests
-and reports the body's outcome (its assertion and traceback as they were). Its checks, timeouts and timings
+and reports the body's outcome (its assertion and traceback as they were). The foreground, arriving there, runs the
+bodies not started yet itself, the last first, while the thread finishes its own (`Background.outcome`). Its checks, timeouts and timings
 are the body's own, unchanged. The body may take only `tmp_path` (a directory made for it) and its
 parameters; its processes get `base_env()` (os.environ as at the session's start: a foreground test's
 monkeypatch.setenv must not reach them) and must not print into pytest's output. A test that is skipped
@@ -487,6 +488,8 @@ class Background:
             self.kwargs[item.nodeid] = kwargs
         self.done = {i.nodeid: threading.Event() for i in self.items}
         self.errors: dict[str, BaseException | None] = {}
+        self.queue = list(self.items)  # not started yet, in collection order
+        self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
         self.stopping = False
 
@@ -495,26 +498,49 @@ class Background:
             self.thread = threading.Thread(target=self._run_all, name="background-tests", daemon=True)
             self.thread.start()
 
+    def _take(self, item: pytest.Item | None = None, *, last: bool = False) -> pytest.Item | None:
+        """`item` if it has not started, else None; without one, the first (or `last`) not started."""
+        with self.lock:
+            if self.stopping or not self.queue:
+                return None
+            if item is None:
+                return self.queue.pop(-1 if last else 0)
+            if item in self.queue:
+                self.queue.remove(item)
+                return item
+            return None
+
+    def _run(self, item: pytest.Item) -> None:
+        was = getattr(_IN_BACKGROUND, "on", False)
+        _IN_BACKGROUND.on = True  # its processes get the session's start environment wherever it runs
+        try:
+            item.obj(**self.kwargs[item.nodeid])  # type: ignore[attr-defined]
+            self.errors[item.nodeid] = None
+        except BaseException as e:  # the test raises it in its turn
+            self.errors[item.nodeid] = e
+        finally:
+            _IN_BACKGROUND.on = was
+            self.done[item.nodeid].set()
+
     def _run_all(self) -> None:
-        _IN_BACKGROUND.on = True
         _behind_the_foreground()
-        for item in self.items:
-            if self.stopping:
-                break
-            try:
-                item.obj(**self.kwargs[item.nodeid])  # type: ignore[attr-defined]
-                self.errors[item.nodeid] = None
-            except BaseException as e:  # the test raises it in its turn
-                self.errors[item.nodeid] = e
-            finally:
-                self.done[item.nodeid].set()
+        while (item := self._take()) is not None:
+            self._run(item)
 
     def outcome(self, item: pytest.Item) -> bool:
-        """Raise what the item's body raised in the background; False if it was not run there."""
+        """Raise what the item's body raised in the background; False if it was not run there. The foreground,
+        arriving at a body that has not started, runs it itself, and while the thread runs the one it waits for,
+        runs the last not started: the two then share what is left instead of the foreground waiting for it."""
         if self.thread is None or item.nodeid not in self.done:
             return False
-        if not self.done[item.nodeid].wait(BACKGROUND_WAIT_S):
-            raise AssertionError(f"the background run of {item.nodeid} did not end within {BACKGROUND_WAIT_S:.0f} s")
+        deadline = time.monotonic() + BACKGROUND_WAIT_S
+        while not self.done[item.nodeid].is_set():
+            mine = self._take(item) or self._take(last=True)
+            if mine is not None:
+                self._run(mine)
+            elif not self.done[item.nodeid].wait(max(0.0, deadline - time.monotonic())):
+                raise AssertionError(f"the background run of {item.nodeid} did not end within "
+                                     f"{BACKGROUND_WAIT_S:.0f} s")
         if item.nodeid not in self.errors:
             raise AssertionError(f"the background run of {item.nodeid} did not start (the session is stopping)")
         error = self.errors[item.nodeid]
