@@ -53,12 +53,12 @@ A test whose body only starts processes (an mpirun it signals, a console script)
 did spends its time waiting on them, one core idle. `@in_background` (the marker `background`) runs its
 body in a second background thread from the session's start, one such test after the other in collection
 order, while the in-process tests and the batches run; the test itself comes after the in-process tests
-and reports the body's outcome (its assertion and traceback as they were). The foreground, arriving there, runs the
-bodies not started yet itself, the last first, while the thread finishes its own (`Background.outcome`). Its checks, timeouts and timings
-are the body's own, unchanged. The body may take only `tmp_path` (a directory made for it) and its
-parameters; its processes get `base_env()` (os.environ as at the session's start: a foreground test's
-monkeypatch.setenv must not reach them) and must not print into pytest's output. A test that is skipped
-ignores its background run. `PIPEFLOW_TEST_NO_BATCH=1` runs them in the foreground too.
+and reports the body's outcome (its assertion and traceback as they were). The foreground, arriving there,
+runs the bodies not started yet itself, the last first, while the thread finishes its own (`Background.outcome`).
+Its checks, timeouts and timings are the body's own, unchanged. The body may take only `tmp_path` (a directory
+made for it) and its parameters; its processes get `base_env()` (os.environ as at the session's start: a
+foreground test's monkeypatch.setenv must not reach them) and must not print into pytest's output. A test that is
+skipped ignores its background run. `PIPEFLOW_TEST_NO_BATCH=1` runs them in the foreground too.
 """
 from __future__ import annotations
 
