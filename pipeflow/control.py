@@ -101,8 +101,7 @@ class Control:
     def barrier(self) -> None:
         arrive(self.comm)
 
-    def Barrier(self) -> None:  # noqa: N802 (mpi4py's name, for modules written against a communicator)
-        arrive(self.comm)
+    Barrier = barrier  # mpi4py's name, for modules written against a communicator
 
     def recv(self, *, source: int, tag: int) -> Any:
         """The next message of `tag` from `source`, waited for without spinning a core (`quiet_wait`)."""

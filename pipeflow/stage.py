@@ -126,17 +126,13 @@ class Stage:
         stage's layer returned (`tree`, structure.py). On the last stage returns [loss] (detached, unscaled);
         elsewhere the tensors to send (their structure in `trees[mb]`). `global_mb` is the microbatch's index in
         the data order (default `mb`): it seeds the layers."""
-        watch = None
         if self.first:
             x = self._batch(inputs)
             leaves: list[torch.Tensor] = []
         else:
             leaves = [t for t in inputs if t.requires_grad]
             x = join(received(inputs), tree)  # may be changed in place (received.py); views of the aliases
-            watch = shared_versions(inputs, tree)
-        out = self.run_layers(mb if global_mb is None else global_mb, x)
-        if watch is not None:
-            check_shared(inputs, tree, watch, self._name())
+        out = self._run(mb if global_mb is None else global_mb, x, None if self.first else inputs, tree)
         if self.last:
             loss = self._loss(out, target)
             self.saved[mb] = _Saved(leaves, [loss * loss_scale])
@@ -149,11 +145,18 @@ class Stage:
                  tree: Tree = None) -> tuple[list[torch.Tensor], Tree]:
         """Forward only (pipeflow/evaluate.py, under torch.no_grad): nothing is kept for a backward. On the last
         stage ([loss], None), elsewhere the tensors to send and their structure. `t` seeds the layers."""
-        watch = None if self.first else shared_versions(inputs, tree)
-        out = self.run_layers(t, self._batch(inputs) if self.first else join(inputs, tree))
-        if watch is not None:
-            check_shared(inputs, tree, watch, self._name())
+        x = self._batch(inputs) if self.first else join(inputs, tree)
+        out = self._run(t, x, None if self.first else inputs, tree)
         return ([self._loss(out, target)], None) if self.last else self._split(out)
+
+    def _run(self, t: int, x: Any, inputs: list[torch.Tensor] | None, tree: Tree) -> Any:
+        """run_layers; where x holds tensors received from the previous stage (`inputs`, None on the first), then
+        check that the layers changed none of those that shared memory there in place (structure.check_shared)."""
+        watch = None if inputs is None else shared_versions(inputs, tree)
+        out = self.run_layers(t, x)
+        if watch is not None and inputs is not None:
+            check_shared(inputs, tree, watch, self._name())
+        return out
 
     def _name(self) -> str:
         """These layers, as an error names them."""

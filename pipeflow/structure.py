@@ -61,9 +61,10 @@ def split(out: Any) -> tuple[list[torch.Tensor], Tree]:
                               f"and dicts; found {type(leaf).__name__}")
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     unique = list({id(t): t for t in tensors}.values())  # in order of first appearance
-    inside = _views(unique)
+    ptrs = _pointers(unique)  # one storage lookup each, for both walks
+    inside = _views(unique, ptrs)
     sending = [t for t in unique if id(t) not in inside]
-    shared = _shared(sending)
+    shared = _shared(sending, [p for t, p in zip(unique, ptrs) if id(t) not in inside])
     if len(unique) == len(tensors) and not inside and not shared and isinstance(out, tuple) and len(out) > 1 and all(
             isinstance(v, torch.Tensor) for v in out):
         return tensors, None
@@ -95,10 +96,11 @@ def _pointers(tensors: list[torch.Tensor]) -> list[int | None]:
     return [t.untyped_storage().data_ptr() if t.device.type != "meta" and t.numel() else None for t in tensors]
 
 
-def _shared(tensors: list[torch.Tensor]) -> tuple[tuple[Layout, ...], ...]:
-    """The groups of `tensors` (those sent) that share a storage, as their Layouts; () when none do."""
+def _shared(tensors: list[torch.Tensor], ptrs: list[int | None]) -> tuple[tuple[Layout, ...], ...]:
+    """The groups of `tensors` (those sent; `ptrs`: their storages, `_pointers`) that share a storage, as their
+    Layouts; () when none do."""
     by_storage: dict[int, list[int]] = {}
-    for k, p in enumerate(_pointers(tensors)):
+    for k, p in enumerate(ptrs):
         if p is not None:
             by_storage.setdefault(p, []).append(k)
     groups = [ks for ks in by_storage.values() if len(ks) > 1]
@@ -164,12 +166,12 @@ def _overlap(a: Layout, b: Layout) -> bool:
     return False
 
 
-def _views(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-    """id -> the tensor among `tensors` that holds it, for each one whose elements all lie inside another contiguous
-    one of the same storage and dtype (the largest such, the first of equals) and that is its view (`_view_of`)."""
+def _views(tensors: list[torch.Tensor], ptrs: list[int | None]) -> dict[int, torch.Tensor]:
+    """id -> the tensor among `tensors` (`ptrs`: their storages, `_pointers`) that holds it, for each one whose
+    elements all lie inside another contiguous one of the same storage and dtype (the largest such, the first of
+    equals) and that is its view (`_view_of`)."""
     if len(tensors) < 2:
         return {}
-    ptrs = _pointers(tensors)
     if len({p for p in ptrs if p is not None}) == sum(p is not None for p in ptrs):
         return {}  # no two share memory: the common case, one storage lookup each
 
