@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from partitioner.layermem import sandbox_copy
-from partitioner.measure import NOISY_SPREAD, free_cached, machine_bytes, map_tensors, prepare_input, tensors
+from partitioner.measure import NOISY_SPREAD, Timer, free_cached, machine_bytes, map_tensors, prepare_input, tensors
 from pipeflow.received import received
 from pipeflow.spec import ModelSpec
 
@@ -42,6 +42,23 @@ class Marks:
         return float(a.elapsed_time(b))
 
 
+class Hold:
+    """Keeps the device busy at the start of each pass while the host issues it (time_chain's `queued`): the hold
+    grows to twice the longest pass the host took to issue, from Timer's first hold."""
+
+    def __init__(self) -> None:
+        self.ms = Timer.HOLD_MS
+        self.t0 = 0.0
+
+    def begin(self) -> None:
+        torch.cuda._sleep(int(self.ms * 1e-3 * Timer.CLOCK_HZ))
+        self.t0 = time.perf_counter()
+
+    def end(self) -> None:
+        host_ms = (time.perf_counter() - self.t0) * 1e3
+        self.ms = min(Timer.MAX_HOLD_MS * 4, max(self.ms, 2 * host_ms))
+
+
 @dataclass
 class ChainTimes:
     """time_chain's result: per layer, the ms of each kept pass."""
@@ -67,7 +84,7 @@ ROUND_GAP_S = 0.5
 
 
 def time_chain(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: int, repeats: int,
-               loss: Loss | None = None) -> ChainTimes:
+               loss: Loss | None = None, queued: bool = False) -> ChainTimes:
     """Each layer's ms timed as a stage runs its layers (pipeflow-profile --timing stage): the forward of
     the whole chain, then one backward through it, pass after pass, nothing waiting between layers or passes
     (Marks, read once at the end; in the backward, a hook on each layer's outputs marks when their gradient
@@ -82,15 +99,23 @@ def time_chain(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: i
     gradient (a later layer cuts the chain) has no backward: 0. With `loss` the backward starts from the loss
     of the chain's output, as on the last stage, and the loss is timed there too: its forward after the last
     layer's, its backward until the last layer's outputs have their gradient (issue 15: timed alone, from its
-    own output, the loss of GPT's last stage took 0.2-0.9 ms a microbatch more than inside the stage)."""
+    own output, the loss of GPT's last stage took 0.2-0.9 ms a microbatch more than inside the stage).
+
+    `queued` (--timing graphs, CUDA): each pass starts behind a hold of the device (torch.cuda._sleep) long enough
+    for the host to issue the whole pass first, so the marks time the kernels back to back in the chain, as a
+    replayed CUDA graph runs them (pipeflow/graphs.py), whatever the host's pace; a pass whose launches outlast its
+    hold makes the next hold longer (the warm-up passes find the length)."""
     n = len(layers)
     clock = Marks(device)
     x = map_tensors(x, lambda t: t.to(device))  # once: a copy from the host inside a pass would wait for it
     recorded: list[tuple[bool, list[Any], list[Any], dict[int, Any], Any]] = []
     gs: list[torch.Tensor] | None = None
     h: Any = None
+    hold = Hold() if queued else None
     for it in range(warmup + 2 * repeats):
         accumulate = it % 2 == 1
+        if hold is not None:
+            hold.begin()
         if not accumulate:
             for layer in layers:
                 layer.zero_grad(set_to_none=True)
@@ -119,6 +144,8 @@ def time_chain(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: i
         if ys:
             torch.autograd.backward([value] if value is not None else ys, None if value is not None else gs)
         ends.append(clock.stamp())
+        if hold is not None:
+            hold.end()
         del outs, value
         if it >= warmup:
             recorded.append((accumulate, fwd_marks, ends, at, loss_mark))
@@ -171,7 +198,7 @@ def windows(layers: list[dict[str, Any]], dev: torch.device, copies: int = 1) ->
 
 
 def fastest_rounds(variants: Sequence[Sequence[Any]], x: Any, device: torch.device, *, warmup: int, repeats: int,
-                   rounds: int, losses: Sequence[Loss | None]) -> list[tuple[ChainTimes, float]]:
+                   rounds: int, losses: Sequence[Loss | None], queued: bool = False) -> list[tuple[ChainTimes, float]]:
     """Each variant of the same layers (autograd's accumulation and the GEMM's) timed `rounds` times, ROUND_GAP_S
     apart: per variant the round whose median pass took least, and the slowest round's median pass over it (how far
     the host's pace moved). The variants' rounds are taken in turn, so each meets the host's pace of the same
@@ -183,7 +210,7 @@ def fastest_rounds(variants: Sequence[Sequence[Any]], x: Any, device: torch.devi
         if r:
             time.sleep(ROUND_GAP_S)
         for mine, layers, loss in zip(kept, variants, losses, strict=True):
-            times = time_chain(layers, x, device, warmup=warmup, repeats=repeats, loss=loss)
+            times = time_chain(layers, x, device, warmup=warmup, repeats=repeats, loss=loss, queued=queued)
             mine.append((statistics.median(times.passes), times))
     out = []
     for mine in kept:
@@ -196,7 +223,8 @@ def fastest_rounds(variants: Sequence[Sequence[Any]], x: Any, device: torch.devi
 def time_as_a_stage(spec: ModelSpec, layers: list[dict[str, Any]], x: Any, dev: torch.device,
                      dtype: torch.dtype | None, *, warmup: int, repeats: int, fuse: bool = False,
                      target: Any = None, rounds: int = 1, warnings: list[str] | None = None,
-                     twin: list[dict[str, Any]] | None = None) -> tuple[list[float], float | None]:
+                     twin: list[dict[str, Any]] | None = None,
+                     queued: bool = False) -> tuple[list[float], float | None]:
     """--timing stage: replace each layer's forward and backward times in `layers` (profile_layer's numbers)
     with time_chain's, run over windows of consecutive layers whose bytes fit in half the free memory
     (a model too large for the device is timed a window at a time; the first layer of a window starts
@@ -206,7 +234,7 @@ def time_as_a_stage(spec: ModelSpec, layers: list[dict[str, Any]], x: Any, dev: 
     (None without `target`). Each window is timed `rounds` times; its fastest round is kept (fastest_rounds), and
     rounds that disagree by more than NOISY_SPREAD append a line to `warnings`. `twin` (a copy of `layers`) gets
     the same layers' times with the GEMM accumulating (fuse=True), their rounds in turn with these
-    (fastest_rounds)."""
+    (fastest_rounds). `queued`: --timing graphs (time_chain)."""
     passes: list[float] = []
     loss_ms, moved = None, 1.0
     for start, end in windows(layers, dev, copies=2 if twin is not None else 1):
@@ -214,7 +242,8 @@ def time_as_a_stage(spec: ModelSpec, layers: list[dict[str, Any]], x: Any, dev: 
                     for f in ([fuse, True] if twin is not None else [fuse])]
         ends_model = target is not None and end == len(layers)
         timed = fastest_rounds(variants, x, dev, warmup=warmup, repeats=repeats, rounds=rounds,
-                               losses=[(spec.loss_fn, target) if ends_model else None, None][:len(variants)])
+                               losses=[(spec.loss_fn, target) if ends_model else None, None][:len(variants)],
+                               queued=queued)
         moved = max(moved, timed[0][1])
         del variants
         free_cached(dev)

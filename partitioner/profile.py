@@ -51,7 +51,7 @@ OPTIONAL_LAYER_NUMBERS = ("backward_accumulate_ms", "backward_weight_ms", *GEMM_
 RUNTIME_NUMBERS = ("action_ms", "message_ms", "latency_ms", "step_gap_ms", "layer_ms", "update_ms")  # optional
 MAX_COMPUTE_FACTOR = 100.0
 CALIBRATED = (*RUNTIME_NUMBERS, "compute_factor", "link_bandwidth")  # what partitioner.calibrate may write
-TIMINGS = ("idle", "kernels", "stage")  # pipeflow-profile --timing (partitioner.measure: Timer, time_chain)
+TIMINGS = ("idle", "kernels", "stage", "graphs")  # pipeflow-profile --timing (partitioner.measure: Timer, time_chain)
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 # Upper bounds of a plausible measurement: sums over layers and microbatches must stay finite in float64
 # (a time of 1e308 ms overflows to inf once multiplied by m and used to look like "no plan").

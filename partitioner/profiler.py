@@ -29,6 +29,7 @@ from partitioner.measure import (
 )
 from partitioner.profile import TIMINGS, LayerProfile, Profile, ProfileError
 from pipeflow.data.loader import MicrobatchLoader
+from pipeflow.graphs import graphs_enabled
 from pipeflow.spec import ModelError, ModelSpec, build_model, model_dtype, parse_model_args
 from pipeflow.split import gemm_accumulation, splittable
 
@@ -37,6 +38,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 # timing priced every row at microbatch 4 and 8 within 6% with no calibration, where the kernels back to back were
 # 11-15% fast and each call from an idle device over-priced microbatch 2 by 13-16%.
 DEFAULT_TIMING = {False: "idle", True: "stage"}
+
+
+def default_timing(device: torch.device) -> str:
+    """--timing when not given: DEFAULT_TIMING of the device; on CUDA under PIPEFLOW_CUDA_GRAPHS=1 "graphs", the
+    chain as a graph replays it (the ranks will replay theirs, pipeflow/graphs.py)."""
+    if device.type == "cuda" and graphs_enabled():
+        return "graphs"
+    return DEFAULT_TIMING[device.type == "cuda"]
 
 
 def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.device = "cpu", *,
@@ -77,7 +86,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     if dtype is not None and dtype not in DTYPES:
         raise ProfileError(f"--dtype must be one of {', '.join(DTYPES)}, found {dtype!r}")
     dev = torch.device(device)
-    timing = timing or DEFAULT_TIMING[dev.type == "cuda"]
+    timing = timing or default_timing(dev)
     if timing not in TIMINGS:
         raise ProfileError(f"--timing must be one of {', '.join(TIMINGS)}, found {timing!r}")
     if warmup < 0 or repeats < 1:
@@ -87,9 +96,10 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
         raise ProfileError(f"--rounds must be >= 1, found {rounds}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ProfileError("--device cuda, but torch sees no CUDA device; use --device cpu")
-    if timing == "kernels" and dev.type != "cuda":
+    if timing in ("kernels", "graphs") and dev.type != "cuda":
         raise ProfileError(f"--timing {timing} times CUDA kernels: it needs --device cuda, found {dev.type}")
     held = timing == "kernels"
+    chained = timing in ("stage", "graphs")  # the layers timed as a stage runs them (chain.py)
     try:
         fuse = gemm_accumulation()  # as the ranks will accumulate (pipeflow/split.py)
         beside = companion_devices(dev.type, dev.index, ranks_per_host - 1,
@@ -128,12 +138,13 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
             raise ProfileError(f"the model's loss failed on the last layer's output: {e}") from None
         chain, twin = None, None
         linears = any(splittable(m) for layer in spec.layers for m in layer.modules())  # else gemm changes nothing
-        if timing == "stage" and linears and "PIPEFLOW_GRAD_ACCUM" not in os.environ and (
+        if chained and linears and "PIPEFLOW_GRAD_ACCUM" not in os.environ and (
                 gemm if gemm is not None else dev.type == "cuda"):  # the knob set: the ranks accumulate its way
             twin = [dict(s) for s in layers]  # gemm accumulation's times, timed in turn with autograd's
-        if timing == "stage":  # the loss as the last stage pays it, after its layers, over time_loss's alone
+        if chained:  # the loss as the last stage pays it, after its layers, over time_loss's alone
             chain, in_chain = time_as_a_stage(spec, layers, first, dev, torch_dtype, warmup=warmup, repeats=repeats,
-                                              fuse=fuse, target=target, rounds=rounds, warnings=warnings, twin=twin)
+                                              fuse=fuse, target=target, rounds=rounds, warnings=warnings, twin=twin,
+                                              queued=timing == "graphs")
             loss_ms = loss_ms if in_chain is None else in_chain
         if twin is not None:
             for s, t in zip(layers, twin):
@@ -184,10 +195,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="adam",
                    help="the optimizer whose step is timed (optimizer_ms_per_byte)")
     p.add_argument("--timing", choices=TIMINGS, default=None,
-                   help="how layers are timed (default: stage on cuda, idle on cpu). 'stage' (cuda or cpu): as a "
-                        "stage runs them, the chain's forward then its backward, nothing waiting between layers; "
-                        "'idle': each layer's call alone (on cuda from an idle device); 'kernels' (cuda): each "
-                        "layer's kernels back to back, the launches hidden; see docs/formats.md")
+                   help="how layers are timed (default: stage on cuda, graphs there under PIPEFLOW_CUDA_GRAPHS=1, "
+                        "idle on cpu). 'stage' (cuda or cpu): as a stage runs them, the chain's forward then its "
+                        "backward, nothing waiting between layers; 'graphs' (cuda): the same with each pass's kernels "
+                        "queued before the device runs them, as a CUDA graph replays them; 'idle': each layer's "
+                        "call alone (on cuda from an idle device); 'kernels' (cuda): each layer's kernels back to "
+                        "back, the launches hidden; see docs/formats.md")
     p.add_argument("--threads", type=int, default=None,
                    help=f"torch threads (default on cpu: {RANK_THREADS}, as each rank under mpirun)")
     p.add_argument("--ranks-per-host", type=int, default=1, metavar="N",
@@ -219,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         sizes = _sizes(args.microbatch_size, args.microbatch_sizes)
-        if args.timing == "kernels" and args.device != "cuda":
+        if args.timing in ("kernels", "graphs") and args.device != "cuda":
             raise ProfileError(f"--timing {args.timing} times CUDA kernels: it needs --device cuda, found "
                                f"{args.device}")
         model_args = parse_model_args(args.model_args)

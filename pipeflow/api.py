@@ -98,7 +98,7 @@ class Pipeline:
         from pipeflow.comm import init_world
         from pipeflow.config import check_clip_grad_norm
         from pipeflow.engine import Engine
-        from pipeflow.planning import check_ties, replicated_statistics
+        from pipeflow.planning import check_model_on_plan, replicated_statistics
 
         if microbatches is not None and microbatches < 1:
             raise ValueError(f"Pipeline: microbatches must be >= 1, found {microbatches}")
@@ -106,7 +106,7 @@ class Pipeline:
         self.world = world if world is not None else init_world(device=device, timeout_s=timeout)
         self.plan = _resolve_plan(plan, len(spec.layers), self.world.size, schedule, microbatches)
         check_clip_grad_norm(clip_grad_norm, self.plan.schedule, flag="Pipeline: clip_grad_norm", what="schedule")
-        check_ties(spec, self.plan)
+        check_model_on_plan(spec, self.plan, self.world.device.type)
         note = replicated_statistics(spec, self.plan)
         if note and self.world.rank == 0:
             logging.getLogger("pipeflow").warning(note)

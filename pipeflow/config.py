@@ -101,6 +101,7 @@ def check_device(device: str) -> None:
 def check_environment(environ: Mapping[str, str]) -> None:
     """The PIPEFLOW_* knobs of the README: checked on every run, not only where they are used."""
     from pipeflow.cesetup import p2p_transport, reduce_transport
+    from pipeflow.graphs import graphs_enabled
     from pipeflow.links import gloo_groups, inplace_elements, p2p_max_ctas, reduce_late
     from pipeflow.split import gemm_accumulation
 
@@ -113,6 +114,7 @@ def check_environment(environ: Mapping[str, str]) -> None:
         p2p_transport(environ)
         reduce_transport(environ)
         gemm_accumulation(environ)
+        graphs_enabled(environ)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     text = environ.get("PIPEFLOW_STACK_DUMP_S")

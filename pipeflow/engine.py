@@ -12,6 +12,7 @@ from partitioner.plan import Plan
 from pipeflow.clip import grad_clip
 from pipeflow.comm import P2P, World, all_reduce
 from pipeflow.gradients import recv_grads, send_grads, signature_of
+from pipeflow.graphs import make_stages
 from pipeflow.hooks import Feed, GateFactory, StepGate, Timer, Timing, WeightHooks, WeightPolicy
 from pipeflow.kinds import Weights, schedule_kind
 from pipeflow.links import arm_points, make_links, make_reducers, reduce_late, send_window, tied_async_error
@@ -46,10 +47,9 @@ class Engine:
         self.m, self.total_steps = plan.microbatches, total_steps
         self.timer: Timing = timer or Timer()
         self.s, self.r = plan.stage_of_rank(world.rank)  # rank group (the stage, without interleaving), replica
-        self.S, self.v, K = plan.groups, plan.virtual_stages, len(plan.stages)
-        self.stages = {k: Stage(spec.layers[st.layers[0]:st.layers[1]], start=st.layers[0], first=k == 0,
-                                last=k == K - 1, loss_fn=spec.loss_fn, device=world.device, dtype=dtype, seed=seed)
-                       for k, st in enumerate(plan.stages) if k % self.S == self.s}
+        self.S, self.v = plan.groups, plan.virtual_stages
+        self.stages = make_stages(spec.layers, plan, self.s, loss_fn=spec.loss_fn, device=world.device, dtype=dtype,
+                                  seed=seed)  # GraphedStage under PIPEFLOW_CUDA_GRAPHS=1 (graphs.py)
         self.stage = self.stages[self.s]  # the first (with one stage per rank, the only) chunk here
         self.split = Kind.W if self.kind.split_backward else Kind.B  # zero bubble: B defers weight GEMMs to W
         fuse = gemm_accumulation(planned=plan.accumulation)  # PIPEFLOW_GRAD_ACCUM, else the plan's choice

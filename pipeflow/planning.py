@@ -100,6 +100,7 @@ def plan_on_the_spot(args: TrainConfig, spec: ModelSpec, world_size: int, rank: 
             from partitioner.auto import AUTO, candidates_table, plan_schedule
             from partitioner.batch import global_batch_table, plan_global_batch
             from partitioner.profiler import profile_model
+            from pipeflow.graphs import graphs_enabled
 
             device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
             limit, limit_from = spot_memory(args, device, max(Counter(hosts).values()))
@@ -115,9 +116,10 @@ def plan_on_the_spot(args: TrainConfig, spec: ModelSpec, world_size: int, rank: 
             forget_profiling(device, max((p.device_peak_bytes or 0 for p in (profile, *others)), default=0))
             for note in notes:
                 log.warning("profiling on the spot: %s", note)
-            # Without --schedule: the fastest flush schedule (--schedule auto), all equal to single-process training.
-            common: dict[str, Any] = dict(schedule=args.schedule or AUTO, topology=args.topology,
-                                          straight=args.straight, optimizer=args.optimizer,
+            # Without --schedule: the fastest flush schedule (--schedule auto), all equal to single-process training;
+            # under PIPEFLOW_CUDA_GRAPHS=1, 1f1b (graphs.py replays gpipe's and 1f1b's actions).
+            common: dict[str, Any] = dict(schedule=args.schedule or ("1f1b" if graphs_enabled() else AUTO),
+                                          topology=args.topology, straight=args.straight, optimizer=args.optimizer,
                                           memory_per_worker=limit, shard_optimizer=args.shard_optimizer)
             if virtual > 1:  # --schedule interleaved: chunks per rank
                 common["virtual_stages"] = virtual
@@ -196,9 +198,11 @@ def resolve_warmup(text: str, plan: Plan) -> list[int] | None:
     return counts
 
 
-def check_ties(spec: ModelSpec, plan: Plan) -> None:
-    """A Parameter shared by layers of several stages trains as one under gpipe and 1f1b (engine.py);
-    the asynchronous schedules would give its copies different weight versions: refuse them here."""
+def check_model_on_plan(spec: ModelSpec, plan: Plan, device: str) -> None:
+    """What the plan's schedule cannot run of this model, refused before any work: a Parameter shared by layers of
+    several stages trains as one under gpipe and 1f1b (engine.py), but the asynchronous schedules would give its
+    copies different weight versions; and what PIPEFLOW_CUDA_GRAPHS=1 cannot replay (graphs.py). `device`: --device."""
+    from pipeflow.graphs import check_graphs
     from pipeflow.links import tied_async_error
     from pipeflow.reduce import find_ties
 
@@ -206,6 +210,7 @@ def check_ties(spec: ModelSpec, plan: Plan) -> None:
         ties = find_ties(spec.layers, [st.layers for st in plan.stages], [st.ranks for st in plan.stages])
         if ties:
             raise UsageError(tied_async_error(ties, plan.schedule))
+    check_graphs(spec.layers, plan, device)
 
 
 def replicated_statistics(spec: ModelSpec, plan: Plan) -> str | None:

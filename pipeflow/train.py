@@ -24,7 +24,7 @@ from partitioner.plan import PlanError
 from pipeflow import config, evalflags
 from pipeflow.failure import UsageError
 from pipeflow.outputs import prepare_outputs, release_checkpoint_lock
-from pipeflow.planning import check_ties, make_plan
+from pipeflow.planning import check_model_on_plan, make_plan
 from pipeflow.runner import DTYPES, run
 from pipeflow.schedule import SCHEDULES, ScheduleError
 from pipeflow.spec import ModelError, build_model, parse_model_args
@@ -254,7 +254,7 @@ def _main(args: argparse.Namespace, comm: Control, watchdog: Any) -> int:
         if cfg.global_batch is not None:  # every rank loads microbatches of the size the planner chose
             cfg = dataclasses.replace(cfg, microbatch_size=int(plan.extra["planner"]["microbatch_size"]))
         list_size = config.check_plan(plan, cfg, SCHEDULES)
-        check_ties(spec, plan)
+        check_model_on_plan(spec, plan, cfg.device)
     except (UsageError, PlanError, ModelError, ScheduleError, ValueError) as e:
         error = str(e)
     errors = comm.allgather(error)

@@ -186,16 +186,17 @@ def bad_setups(d: Path) -> list[Case]:
             Case(2, [*BASE, "--plan", str(zb)], env={"PIPEFLOW_LOG": "INFO"}, check=False),
             Case(2, [*BASE, "--microbatches", "100000000"], check=False),
             Case(2, nan, check=False),
-            Case(2, BASE, env={"PIPEFLOW_LOG": "verbose"}, check=False)]
+            Case(2, BASE, env={"PIPEFLOW_LOG": "verbose"}, check=False),
+            Case(2, BASE, env={"PIPEFLOW_CUDA_GRAPHS": "1"}, check=False)]
 
 
 @batched(bad_setups)
 def test_bad_setups_end_to_end_print_one_whole_line(mpi: MpiRun):
     """Under mpirun: exactly one error line, from rank 0; --model os:system does not run the command; an
-    unknown plan schedule stops at set-up on every rank; --skip-nonfinite on a run that never recovers
-    stops after --max-skips with the count. (That mpirun forwards the line whole under PYTHONUNBUFFERED=1
-    is test_set_up_error_under_mpirun_is_one_whole_line's.)"""
-    runs = dict(zip(["os:system", "zb", "huge m", "nan", "log level"], mpi.procs))
+    unknown plan schedule stops at set-up on every rank; CUDA graphs asked for on CPUs are refused there;
+    --skip-nonfinite on a run that never recovers stops after --max-skips with the count. (That mpirun forwards
+    the line whole under PYTHONUNBUFFERED=1 is test_set_up_error_under_mpirun_is_one_whole_line's.)"""
+    runs = dict(zip(["os:system", "zb", "huge m", "nan", "log level", "graphs"], mpi.procs))
     for name, want, code in [
         ("os:system", "pipeflow-train: error: --model 'os:system' names Python's standard library, which has no "
                       "model builder: expected 'package.module:function' of your own code returning a "
@@ -208,6 +209,8 @@ def test_bad_setups_end_to_end_print_one_whole_line(mpi: MpiRun):
                 "the run is not recovering. Lower --lr or check the data", 4),
         ("log level", "pipeflow-train: error: PIPEFLOW_LOG must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL (or "
                       "a number), found 'verbose'", 2),
+        ("graphs", "pipeflow-train: error: PIPEFLOW_CUDA_GRAPHS=1 replays CUDA graphs, but the ranks run on the CPU "
+                   "(--device cpu); unset it", 2),
     ]:
         proc = runs[name]
         err = proc.stderr

@@ -49,7 +49,8 @@ def test_timing_is_recorded_and_checked(tmp_path: Path) -> None:
     prof.save(tmp_path / "again.json")
     assert json.loads((tmp_path / "again.json").read_text())["timing"] == "kernels"
     assert "timing" not in Profile.load(write(tmp_path, GOOD)).to_json()
-    with pytest.raises(ProfileError, match=r"profile.json: timing must be one of idle, kernels, stage, found \"fast\""):
+    with pytest.raises(ProfileError,
+                       match=r"profile.json: timing must be one of idle, kernels, stage, graphs, found \"fast\""):
         Profile.load(write(tmp_path, {**GOOD, "timing": "fast"}))
     assert profile_model(build_model("mlp", {"layers": 2, "hidden": 8}), 2, "cpu", warmup=0, repeats=1,
                          optimizer=None).timing is None

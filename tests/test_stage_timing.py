@@ -126,7 +126,7 @@ def test_outputs_the_next_layer_leaves_unused_get_no_backward() -> None:
     assert all(p.grad is None for layer in layers for p in layer.parameters())  # left as found
 
 
-def test_the_cli_writes_stage_timing_on_cpu_and_refuses_kernels(tmp_path: Any, capsys: Any) -> None:
+def test_the_cli_writes_stage_timing_on_cpu_and_refuses_kernels_and_graphs(tmp_path: Any, capsys: Any) -> None:
     out = tmp_path / "p.json"
     args = ["--model", "mlp", "--model-args", '{"layers": 3, "hidden": 16}', "--microbatch-size", "4",
             "--warmup", "0", "--repeats", "1", "-o", str(out)]
@@ -135,7 +135,9 @@ def test_the_cli_writes_stage_timing_on_cpu_and_refuses_kernels(tmp_path: Any, c
     assert Profile.load(str(out)).timing == "stage"
     assert profiler.main([*args, "--timing", "kernels"]) == 2
     assert "--timing kernels times CUDA kernels: it needs --device cuda, found cpu" in capsys.readouterr().err
-    with pytest.raises(ProfileError, match="--timing must be one of idle, kernels, stage, found 'fast'"):
+    assert profiler.main([*args, "--timing", "graphs"]) == 2
+    assert "--timing graphs times CUDA kernels: it needs --device cuda, found cpu" in capsys.readouterr().err
+    with pytest.raises(ProfileError, match="--timing must be one of idle, kernels, stage, graphs, found 'fast'"):
         profiler.profile_model(_spec([SleepLayer(0, 0)]), 2, timing="fast")
 
 

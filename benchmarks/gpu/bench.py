@@ -35,16 +35,18 @@ Rows (';'-separated), every one at --sequences per optimizer step (default 64):
                                     companion running the model on every other GPU slows the passes: contention)
     ... trace                       pf/big rows: pipeflow-train --trace, then per rank the ms per step in each
                                     kind of span (F, B, W, STEP, SEND, WAIT) and idle, from the trace
-    ... idle|kernels|stage          pf/big/gb rows: profiled with pipeflow-profile --timing idle (each call from
+    ... idle|kernels|stage|graphs   pf/big/gb rows: profiled with pipeflow-profile --timing idle (each call from
                                     an idle device), kernels (the kernels back to back) or stage (each layer
                                     inside the chain's forward and backward, as a stage runs them) instead of
-                                    the profiler's default for the device (stage on CUDA, idle on CPU)
+                                    the profiler's default for the device (stage on CUDA, idle on CPU); graphs:
+                                    the chain with each pass queued first, and pipeflow-train with
+                                    PIPEFLOW_CUDA_GRAPHS=1 (gpipe and 1f1b replayed as CUDA graphs)
     ... cal                         pf/big rows on a profiled split: traced as above, then the runtime's costs
                                     read from the trace (python -m partitioner.calibrate); every later row's plan
                                     is priced again with them ("calibrated ms"; this row's own is circular);
                                     a second cal row is read with the first (e.g. at another microbatch size:
                                     then a compute factor is told from the cost per action)
-    gb SCHEDULE SIZES [sub|fine] [idle|kernels|stage] [mem=GIB]
+    gb SCHEDULE SIZES [sub|fine] [idle|kernels|stage|graphs] [mem=GIB]
                                     pipeflow-plan --global-batch (the sequences): profiled at microbatch sizes
                                     SIZES (2,4,8), the planner picks b, m and the split; pipeflow-train runs it
 Each row prints `RESULT ...` with tokens/s, peak GiB per rank, MFU per GPU and, where a plan gives it, the
@@ -79,7 +81,7 @@ TINY = {"layers": 4, "d_model": 32, "heads": 2, "seq_len": 16, "vocab": 256, "da
 P2P_WORDS = ("p2p=auto", "p2p=nccl", "p2p=ce")  # a pf/big row's PIPEFLOW_P2P
 ACCUM_WORDS = ("accum=gemm", "accum=autograd")  # a pf/big row's PIPEFLOW_GRAD_ACCUM
 FLAT = str(10**12)  # a `flat` row's PIPEFLOW_REDUCE_INPLACE: above every tensor, so no gradient is reduced in place
-TIMED = ("idle", "kernels", "stage")  # a pf/big/gb row's word for pipeflow-profile --timing (else its default)
+TIMED = ("idle", "kernels", "stage", "graphs")  # a pf/big/gb row's pipeflow-profile --timing (else its default)
 
 
 def _timing(words: list[str]) -> str:
@@ -333,6 +335,8 @@ class Bench:
         pipeflow-plan --global-batch picks b, m and the split; mb and m are then what it picked."""
         cfg = self.big if big else self.gpt
         trace = trace or cal
+        if timing == "graphs":  # profiled as a graph replays the chain, and trained so
+            env = {**(env or {}), "PIPEFLOW_CUDA_GRAPHS": "1"}
         if grain:
             cfg = {**cfg, "granularity": GRAINS[grain]}
         shape = f"gb{sizes.replace(',', '_')}" if sizes else f"{mb}x{m}"
@@ -517,7 +521,8 @@ class Bench:
                     mem = [float(x[4:]) for x in extra if x.startswith("mem=")]
                     if (len(w) < 3 or [x for x in extra if x not in (*GRAINS, *TIMED) and not x.startswith("mem=")]
                             or len(set(TIMED) & set(extra)) > 1 or len(set(GRAINS) & set(extra)) > 1):
-                        raise ValueError("a gb row is 'gb SCHEDULE SIZES [sub|fine] [idle|kernels|stage] [mem=GIB]', "
+                        raise ValueError("a gb row is 'gb SCHEDULE SIZES [sub|fine] [idle|kernels|stage|graphs] "
+                                         "[mem=GIB]', "
                                          "e.g. "
                                          "'gb 1f1b 2,4,8'")
                     self.pf(w[1], 0, 0, "plan", grain=_grain(extra), sizes=w[2], mem_gib=mem[0] if mem else None,

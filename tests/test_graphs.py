@@ -1,0 +1,154 @@
+"""PIPEFLOW_CUDA_GRAPHS=1 (pipeflow/graphs.py): what it refuses, on any host; on a GPU, a pipeline of graphed stages
+trains to the same weights, buffers and losses as eager stages, and a step unlike the first stops with one line."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from partitioner.plan import even_plan
+from pipeflow import config
+from pipeflow.graphs import GraphedStage, check_graphs, random_layer
+from pipeflow.stage import Stage, mark_requires_grad
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+def layers(p: float = 0.0) -> list[nn.Module]:
+    return [nn.Sequential(nn.Embedding(16, 8), nn.Flatten()),
+            nn.Sequential(nn.Linear(32, 24), nn.BatchNorm1d(24), nn.GELU()),
+            nn.Sequential(nn.LayerNorm(24), nn.Dropout(p), nn.Linear(24, 24), nn.Tanh()),
+            nn.Linear(24, 5)]
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("cpu", "PIPEFLOW_CUDA_GRAPHS=1 replays CUDA graphs, but the ranks run on the CPU (--device cpu); unset it"),
+    ("async", "PIPEFLOW_CUDA_GRAPHS=1 replays the actions of gpipe and 1f1b with one stage per rank, found "
+              "--schedule async"),
+    ("zb", "PIPEFLOW_CUDA_GRAPHS=1 replays the actions of gpipe and 1f1b with one stage per rank, found --schedule zb"),
+    ("interleaved", "PIPEFLOW_CUDA_GRAPHS=1 replays the actions of gpipe and 1f1b with one stage per rank, found "
+                    "--schedule interleaved with 2 stages per rank"),
+    ("dropout", "PIPEFLOW_CUDA_GRAPHS=1 needs layers without randomness (a replay cannot seed each microbatch); "
+                "layer 2 (Sequential): Dropout 1 with dropout 0.1"),
+])
+def test_what_a_graph_cannot_replay_is_refused_in_one_line(monkeypatch, case, message):
+    monkeypatch.setenv("PIPEFLOW_CUDA_GRAPHS", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: case != "cpu")
+    model = layers(0.1 if case == "dropout" else 0.0)
+    schedule = case if case in ("async", "zb", "interleaved") else "1f1b"
+    plan = even_plan(len(model), 2, schedule=schedule, microbatches=4,
+                     virtual_stages=2 if case == "interleaved" else 1)
+    with pytest.raises(ValueError) as e:
+        check_graphs(model, plan, "cpu" if case == "cpu" else "cuda")
+    assert str(e.value) == message
+
+
+def test_graphs_off_or_a_plan_they_can_replay_pass(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    plan = even_plan(4, 2, schedule="async", microbatches=4)
+    monkeypatch.delenv("PIPEFLOW_CUDA_GRAPHS", raising=False)
+    check_graphs(layers(0.5), plan, "cpu")  # off: nothing checked
+    monkeypatch.setenv("PIPEFLOW_CUDA_GRAPHS", "1")
+    for schedule in ("gpipe", "1f1b"):
+        check_graphs(layers(), even_plan(4, 2, schedule=schedule, microbatches=4), "cuda")
+    assert random_layer(layers(), 0) is None and random_layer([nn.RReLU()], 3) == "layer 3 (RReLU): RReLU"
+
+
+def test_the_knob_takes_0_or_1():
+    config.check_environment({"PIPEFLOW_CUDA_GRAPHS": "0"})
+    config.check_environment({"PIPEFLOW_CUDA_GRAPHS": "1"})
+    with pytest.raises(config.ConfigError, match=r"^PIPEFLOW_CUDA_GRAPHS must be 0 or 1, found 'yes'$"):
+        config.check_environment({"PIPEFLOW_CUDA_GRAPHS": "yes"})
+
+
+def pipeline(graphed: bool, device: torch.device, left_out: int) -> tuple[list[Stage], torch.optim.Optimizer]:
+    """Two stages of `layers()`; the optimizer leaves the last `left_out` parameters out (their gradients add up
+    from step to step, as in one process)."""
+    torch.manual_seed(0)
+    model = layers()
+    make = GraphedStage if graphed else Stage
+    stages = [make(model[:2], start=0, first=True, last=False, loss_fn=None, device=device),
+              make(model[2:], start=2, first=False, last=True, loss_fn=F.cross_entropy, device=device)]
+    params = [p for s in stages for p in s.parameters()]
+    return stages, torch.optim.Adam(params[:len(params) - left_out], lr=1e-2)
+
+
+def train(graphed: bool, steps: int, m: int, order: list[str] | None = None,
+          left_out: int = 0) -> tuple[list[torch.Tensor], list[float]]:
+    """Two stages in one process, gpipe's order on stage 0 (every forward, then every backward: m microbatches in
+    flight) and each microbatch's forward and backward together on stage 1; `order` swaps the backwards of the last
+    step on stage 0 ("reversed")."""
+    device = torch.device("cuda")
+    (s0, s1), opt = pipeline(graphed, device, left_out)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(steps):
+        x = torch.randint(0, 16, (m, 2, 4), generator=g).to(device)
+        y = torch.randint(0, 5, (m, 2), generator=g).to(device)
+        # As a rank sends them: what is sent keeps no autograd graph alive (a graph a step kept alive holds its
+        # AccumulateGrad nodes on the eager stream, which a capture on its own stream cannot wait for).
+        sent = {i: [t.detach() for t in s0.forward(i, x[i], global_mb=step * m + i)] for i in range(m)}
+        grads = {}
+        for i in range(m):
+            recv = mark_requires_grad([t.detach().clone() for t in sent[i]], [True] * len(sent[i]))
+            losses.append(float(s1.forward(i, recv, y[i], loss_scale=1 / m, tree=s0.trees.pop(i))[0]))
+            grads[i] = [g.clone() for g in s1.backward(i, None)]
+        backs = range(m - 1, -1, -1) if order and step == steps - 1 else range(m)
+        for i in backs:
+            s0.backward(i, grads[i])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    state = [t.detach().clone() for s in (s0, s1) for t in [*s.module.parameters(), *s.module.buffers()]]
+    state += [p.grad.clone() for s in (s0, s1) for p in s.module.parameters() if p.grad is not None]
+    return state, losses
+
+
+@cuda
+@pytest.mark.parametrize("left_out", [0, 2])
+def test_graphed_stages_train_as_eager_ones(left_out):
+    eager, graphed = train(False, 4, 3, left_out=left_out), train(True, 4, 3, left_out=left_out)
+    assert graphed[1] == eager[1]
+    assert len(eager[0]) == len(graphed[0]) and all(torch.equal(a, b) for a, b in zip(eager[0], graphed[0]))
+
+
+@cuda
+def test_a_step_out_of_the_first_steps_order_stops_with_one_line():
+    with pytest.raises(RuntimeError, match=r"^PIPEFLOW_CUDA_GRAPHS=1: layers 0-1 ran B of microbatch 2 where its "
+                                           r"first step ran B of microbatch 0; graphs replay one order$"):
+        train(True, 3, 3, order=["reversed"])
+
+
+def test_planning_on_the_spot_under_graphs_plans_what_they_replay(monkeypatch):
+    """Without --schedule the planner picks among every flush schedule (zb and interleaved too); under
+    PIPEFLOW_CUDA_GRAPHS=1 it plans 1f1b (not a plan the set-up would then refuse)."""
+    from pipeflow.planning import make_plan
+    from pipeflow.spec import build_model
+    from pipeflow.train import build_parser
+    from tests.test_global_batch import _OneHost
+
+    spec = build_model("mlp", {"layers": 4, "hidden": 16, "samples": 64})
+    args = build_parser().parse_args(["--model", "mlp", "--microbatches", "4", "--microbatch-size", "8"])
+    monkeypatch.delenv("PIPEFLOW_CUDA_GRAPHS", raising=False)
+    free = make_plan(args, spec, 2, 0, _OneHost())
+    monkeypatch.setenv("PIPEFLOW_CUDA_GRAPHS", "1")
+    graphed = make_plan(args, spec, 2, 0, _OneHost())
+    tried = [c["schedule"] for c in free.extra["planner"]["schedule_auto"]["candidates"]]
+    assert {"zb", "interleaved"} <= set(tried)
+    assert graphed.schedule == "1f1b" and "schedule_auto" not in graphed.extra["planner"]
+
+
+@cuda
+def test_the_graphs_timing_prices_the_device_not_the_hosts_launches(monkeypatch):
+    """A layer whose host takes 5 ms to issue a tiny kernel: timed as a stage runs it eagerly it costs the host's
+    5 ms; timed as a graph replays it (--timing graphs, the default under PIPEFLOW_CUDA_GRAPHS=1) its kernel's."""
+    from partitioner import profiler
+    from tests.test_stage_timing import SleepLayer, _spec
+
+    spec = _spec([SleepLayer(5.0, 0.0), SleepLayer(5.0, 0.0)])
+    stage = profiler.profile_model(spec, 2, "cuda", warmup=2, repeats=3, optimizer=None, timing="stage")
+    monkeypatch.setenv("PIPEFLOW_CUDA_GRAPHS", "1")
+    graphs = profiler.profile_model(spec, 2, "cuda", warmup=2, repeats=3, optimizer=None)
+    assert stage.timing == "stage" and graphs.timing == "graphs"
+    assert all(lay.forward_ms > 4.5 for lay in stage.layers)
+    assert all(lay.forward_ms < 1.0 for lay in graphs.layers), [lay.forward_ms for lay in graphs.layers]
