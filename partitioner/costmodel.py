@@ -33,9 +33,9 @@ its stages; every worker is used. Schedule rules: `async` needs r | m, `2bw` r <
 
 Memory is checked on level-0 stages: parameters * (2 + optimizer states + weight versions) plus the
 activations of the microbatches in flight, ceil(D / r) for 1F1B-like schedules (D = workers from this
-stage on, schedule.warmup_forwards + 1), all local ones for gpipe. Inside a group of a multi-level
-topology D is bounded by (workers left in the group) + (all workers outside it): conservative.
-"""
+stage on, schedule.warmup_forwards + 1), all local ones for gpipe; under CUDA graphs (LayerCosts.graphs) twice
+the port's bytes too. In a group of a multi-level topology D is bounded by (workers left in the group) + (all
+workers outside it): conservative."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -76,6 +76,7 @@ class LayerCosts:
     copy_ms_per_byte: float = 0.0  # one copy of the weights (a stashed version), per byte (profile.copy_ms_per_byte)
     contention: float = 1.0  # the layers beside busy ranks over alone (profile.contention; price.contention_scale)
     shard_optimizer: bool = False  # a replicated stage's optimizer state split over its replicas (pipeflow/shard.py)
+    graphs: bool = False  # the ranks replay CUDA graphs (profile.timing "graphs"): CostModel.memory_bytes
 
     @classmethod
     def of(cls, forward_ms: Sequence[float], backward_ms: Sequence[float], output_bytes: Sequence[float],
@@ -98,11 +99,9 @@ class LayerCosts:
         return len(self.forward_ms)
 
     def stage_overhead_ms(self, i: np.ndarray | int, k: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
-        """What the runtime adds to one forward and one backward of stage [i, k) beyond its layers (the one
-        definition the DP's bound and the simulator's stage costs both use): `action_ms` on each plus
-        `layer_ms` per layer of the stage, and the sender's `message_ms` on the forward when a stage follows
-        (k < L: it sends the activation) and on the backward when one precedes (i > 0: it sends the input
-        gradient)."""
+        """What the runtime adds to a forward and a backward of [i, k) beyond its layers (the DP's bound and the
+        simulator's stage costs both use it): `action_ms` on each, `layer_ms` per layer, the sender's `message_ms`
+        on the forward when a stage follows (k < L) and on the backward when one precedes (i > 0)."""
         n = len(self)
         own = self.action_ms + (self.layer_ms * (np.asarray(k) - np.asarray(i)) if self.layer_ms else 0.0)
         fwd = own + self.message_ms * (np.asarray(k) < n)
@@ -151,16 +150,14 @@ class CostModel:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def bw(self, level: int) -> float:
-        """Bandwidth of a level in bytes per ms."""
+    def bw(self, level: int) -> float:  # bytes per ms
         return self.topology.levels[level].bandwidth / 1e3
 
     def allreduce_ms(self, p: np.ndarray | float, r: np.ndarray | float, level: int) -> np.ndarray:
         """Ring all-reduce of p bytes over r units (Patarasuk & Yuan): 2 (r-1)/r * p / bw."""
         return 2.0 * (np.asarray(r) - 1) / r * p / self.bw(level)
 
-    def share(self, r: np.ndarray | float) -> np.ndarray:
-        """Microbatches of the busiest of r replicas (round-robin: ceil(m / r))."""
+    def share(self, r: np.ndarray | float) -> np.ndarray:  # the busiest of r replicas' microbatches (round-robin)
         return np.ceil(self.microbatches / np.asarray(r, dtype=np.float64))
 
     def steps(self, r: np.ndarray | float, level: int = 0) -> np.ndarray | float:
@@ -223,13 +220,17 @@ class CostModel:
         return self.Fw[i] + np.maximum(busy, trip) + np.maximum(self.Bw[i], exposed)
 
     def port_ms(self, i: np.ndarray | int, k: np.ndarray | int | None, r: np.ndarray | float,
-                level: int) -> np.ndarray:
-        """Busy time of the busiest replica's send (or receive) port: ceil(m / r) messages in, as many out."""
+                level: int) -> np.ndarray:  # busy time of the busiest replica's send (or receive) port
+        return self.port_bytes(i, k, r) / self.bw(level)
+
+    def port_bytes(self, i: np.ndarray | int, k: np.ndarray | int | None, r: np.ndarray | float) -> np.ndarray:
+        """Bytes through the busiest replica's send (or receive) port a minibatch: ceil(m / r) messages in, as many
+        out (none where no stage follows: k None or the last layer's)."""
         out = self.layers.output_bytes
         nbytes = out[np.asarray(i) - 1] * (np.asarray(i) > 0)
         if k is not None:
-            nbytes = nbytes + out[np.asarray(k) - 1]
-        return self.share(r) * nbytes / self.bw(level)
+            nbytes = nbytes + out[np.asarray(k) - 1] * (np.asarray(k) < self.num_layers)
+        return self.share(r) * nbytes
 
     def in_flight(self, downstream: np.ndarray | int, r: np.ndarray | int) -> np.ndarray:
         """Microbatches whose activations a replica keeps (schedule.warmup_forwards + 1, or all for gpipe)."""
@@ -245,12 +246,14 @@ class CostModel:
     def memory_bytes(self, i: np.ndarray | int, j: np.ndarray | int, r: np.ndarray | int,
                      downstream: np.ndarray | int) -> np.ndarray:
         """Weights, gradients, optimizer state, stashed weight versions and in-flight activations; on the stage
-        of the last layer, the loss's memory too."""
-        p = self.P[j] - self.P[i]
-        fl = self.in_flight(downstream, r)
+        of the last layer, the loss's memory too. Under CUDA graphs each action keeps its own static input and
+        output (pipeflow/graphs.py): every local microbatch's received activation and the gradient sent for it,
+        its output and the gradient received for it, twice the port's bytes."""
+        p, fl = self.P[j] - self.P[i], self.in_flight(downstream, r)
         states = OPTIMIZER_STATES[self.optimizer] / (np.asarray(r) if self.layers.shard_optimizer else 1)
         share = 1 / np.asarray(r) if self.layers.shard_optimizer else 1.0  # a deferred update's held gradient
-        return (p * (2 + states + self.kind.stashed_versions(fl, share))
+        graphs = 2 * self.port_bytes(i, j, r) if self.layers.graphs else 0.0
+        return (p * (2 + states + self.kind.stashed_versions(fl, share)) + graphs
                 + fl * (self.A[j] - self.A[i]) + self.layers.loss_bytes * (np.asarray(j) == self.num_layers))
 
     def outside(self, level: int) -> int:
@@ -258,8 +261,7 @@ class CostModel:
         return self.topology.workers - self.topology.unit_size(level + 1)
 
     def stage_compute_ms(self, i: np.ndarray | int, k: np.ndarray | int) -> np.ndarray:
-        """Forward + backward of stage [i, k) per microbatch: its layers (the loss on the last) and what the
-        runtime adds to them (LayerCosts.stage_overhead_ms)."""
+        """Forward + backward of [i, k) a microbatch: its layers, the loss, LayerCosts.stage_overhead_ms."""
         fwd, bwd = self.layers.stage_overhead_ms(i, k)
         return np.asarray(self.C[k] - self.C[i] + fwd + bwd)
 
@@ -270,8 +272,7 @@ class CostModel:
         return inner[i, j]
 
     def stage_rows(self, level: int, i: int, ks: np.ndarray, n: int, inner: np.ndarray | None) -> np.ndarray:
-        """Cost of stages [i, k) for k in ks on r = 1..n units, inf where --straight forbids replicas;
-        shape (n, len(ks)). Memory is applied per range size by `fit`."""
+        """Stages [i, k) for k in ks on r = 1..n units, shape (n, len(ks)); --straight: inf; memory: `fit`."""
         rs = np.arange(1, n + 1, dtype=np.float64)[:, None]
         out = self.stage_ms(self.unit_ms(level, i, ks, inner)[None, :], i, ks[None, :], rs, level)
         if i > 0:

@@ -2,8 +2,7 @@
 (simulate.py), as a library that pipeflow-plan (cli.py) and pipeflow-train's planning on the spot both call.
 
 The DP bounds every plan's step time from below; the simulator replays the schedule on the plans in order
-of bound until no unvisited plan can be faster, so the plan returned is the fastest the simulator knows.
-"""
+of bound until no unvisited plan can be faster, so the plan returned is the fastest the simulator knows."""
 from __future__ import annotations
 
 import math
@@ -59,18 +58,19 @@ class Planned:
 
 def layer_costs(profile: Profile, schedule: str, optimizer: str) -> LayerCosts:
     """The profile's columns for this schedule: flush schedules and 2bw accumulate gradients over the
-    microbatches of a step (backward_accumulate_ms where profiled), async steps after every backward. The
-    layers' and the loss's times are scaled by the calibrated compute_factor (1 when absent)."""
+    microbatches of a step (backward_accumulate_ms where profiled), async steps after every backward; the
+    layers' and the loss's times scaled by the calibrated compute_factor (1 when absent)."""
     f = profile.compute_factor or 1.0
     backward = profile.backward_column(accumulate=not schedule_kind(schedule).step_per_backward)
-    return LayerCosts.of([f * x for x in profile.column("forward_ms")], [f * x for x in backward],
-                         profile.column("output_bytes"), profile.column("activation_bytes"),
-                         profile.column("parameter_bytes"), loss_ms=f * (profile.loss_ms or 0.0),
-                         optimizer_ms_per_byte=profile.optimizer_ms_per_byte.get(optimizer, 0.0),
-                         backward_weight_ms=[f * x for x in profile.weight_column()],
-                         **{k: getattr(profile, k) or 0.0 for k in RUNTIME_NUMBERS},  # calibrated, else 0
-                         loss_bytes=profile.loss_bytes or 0.0, copy_ms_per_byte=profile.copy_ms_per_byte or 0.0,
-                         contention=profile.contention or 1.0)
+    lay = LayerCosts.of([f * x for x in profile.column("forward_ms")], [f * x for x in backward],
+                        profile.column("output_bytes"), profile.column("activation_bytes"),
+                        profile.column("parameter_bytes"), loss_ms=f * (profile.loss_ms or 0.0),
+                        optimizer_ms_per_byte=profile.optimizer_ms_per_byte.get(optimizer, 0.0),
+                        backward_weight_ms=[f * x for x in profile.weight_column()],
+                        **{k: getattr(profile, k) or 0.0 for k in RUNTIME_NUMBERS},  # calibrated, else 0
+                        loss_bytes=profile.loss_bytes or 0.0, copy_ms_per_byte=profile.copy_ms_per_byte or 0.0,
+                        contention=profile.contention or 1.0)
+    return replace(lay, graphs=profile.timing == "graphs")  # the ranks replay CUDA graphs (pipeflow/graphs.py)
 
 
 def _explain(model: CostModel, workers: int) -> PlanningError:

@@ -50,7 +50,8 @@ class StageCost:
     latency_ms: float = 0.0  # each message's delay beyond bytes / bandwidth, after which the receiver has it
     message_ms: float = 0.0  # the sender's own time per message, the end of the F (B) that sends it: the
     # transfer starts with it (a send the calling thread writes, gloo's, holds the transfer in that time)
-    transient_bytes: float = 0.0  # held on top of the in-flight activations at the peak (the loss's, last stage)
+    transient_bytes: float = 0.0  # held on top of the in-flight activations at the peak (the loss's on the last stage;
+    # under CUDA graphs every replayed action's static input and output, partitioner/price.py)
     state_share: float = 1.0  # the share of the stage's optimizer state a replica holds (1/r: --shard-optimizer)
     reduce_late: bool = False  # its all-reduce launched at a STEP, completed at the next (2bw's deferred update)
 
