@@ -29,7 +29,7 @@ from partitioner.measure import (
 )
 from partitioner.profile import TIMINGS, LayerProfile, Profile, ProfileError
 from pipeflow.data.loader import MicrobatchLoader
-from pipeflow.graphs import graphs_enabled
+from pipeflow.graphcheck import graphs_enabled
 from pipeflow.spec import ModelError, ModelSpec, build_model, model_dtype, parse_model_args
 from pipeflow.split import gemm_accumulation, splittable
 

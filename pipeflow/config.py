@@ -101,7 +101,7 @@ def check_device(device: str) -> None:
 def check_environment(environ: Mapping[str, str]) -> None:
     """The PIPEFLOW_* knobs of the README: checked on every run, not only where they are used."""
     from pipeflow.cesetup import p2p_transport, reduce_transport
-    from pipeflow.graphs import graphs_enabled
+    from pipeflow.graphcheck import graphs_enabled
     from pipeflow.links import gloo_groups, inplace_elements, p2p_max_ctas, reduce_late
     from pipeflow.split import gemm_accumulation
 

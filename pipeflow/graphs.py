@@ -25,13 +25,14 @@ overlaps the last backward.
 
 What a graph cannot follow is refused before the first step (`check_graphs`): a CPU device, schedules other than
 gpipe and 1f1b (weight versions, split backwards, several chunks per rank) and layers that draw random numbers
-(per-microbatch seeding is host state; docs/reproducibility.md). An action whose inputs differ from the first
-step's (shape, dtype, structure) or that comes out of the first step's order stops the run with one line.
+(per-microbatch seeding is host state; docs/reproducibility.md: Dropout and RReLU modules, and modules with a
+`dropout` above 0, are found; a random function called in a forward is not). An action whose inputs differ from the
+first step's (shape, dtype, structure), that comes out of the first step's order, or whose capture fails stops the
+run with one line (UsageError). What a graph holds is the module as captured: a layer switched to eval() or a
+parameter frozen after the first step goes on as it was.
 """
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -39,49 +40,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from partitioner.plan import Plan
-from pipeflow.kinds import schedule_kind
+from pipeflow.failure import UsageError
+from pipeflow.graphcheck import check_graphs, graphs_enabled
 from pipeflow.stage import Stage
-
-_RANDOM = (nn.modules.dropout._DropoutNd, nn.RReLU)
-
-
-def graphs_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """PIPEFLOW_CUDA_GRAPHS: 1 replays each stage's actions as CUDA graphs, 0 (the default) runs them eagerly."""
-    text = environ.get("PIPEFLOW_CUDA_GRAPHS", "0")
-    if text not in ("0", "1"):
-        raise ValueError(f"PIPEFLOW_CUDA_GRAPHS must be 0 or 1, found {text!r}")
-    return text == "1"
-
-
-def random_layer(layers: list[nn.Module], start: int) -> str | None:
-    """The first of `layers` (global indices from `start`) holding a module that draws random numbers in training,
-    named with what it draws; None when none does."""
-    for k, layer in enumerate(layers):
-        for name, mod in layer.named_modules():
-            p = getattr(mod, "p", 0.0) if isinstance(mod, _RANDOM) else getattr(mod, "dropout", 0.0)
-            if isinstance(mod, nn.RReLU) or (isinstance(p, float) and p > 0):
-                what = type(mod).__name__ + (f" {name}" if name else "")
-                return f"layer {start + k} ({type(layer).__name__}): {what}" + (
-                    "" if isinstance(mod, nn.RReLU) else f" with dropout {p}")
-    return None
-
-
-def check_graphs(layers: list[nn.Module], plan: Plan, device: str) -> None:
-    """ValueError, one line, where PIPEFLOW_CUDA_GRAPHS=1 is set and cannot replay this plan's actions (module
-    docstring); the same on every rank. `device`: --device (auto, cpu or cuda)."""
-    if not graphs_enabled():
-        return
-    head = "PIPEFLOW_CUDA_GRAPHS=1"
-    if device == "cpu" or not torch.cuda.is_available():
-        raise ValueError(f"{head} replays CUDA graphs, but the ranks run on the CPU (--device {device}); unset it")
-    kind = schedule_kind(plan.schedule)
-    if not kind.flush or kind.split_backward or plan.virtual_stages > 1:
-        v = plan.virtual_stages
-        raise ValueError(f"{head} replays the actions of gpipe and 1f1b with one stage per rank, found --schedule "
-                         f"{plan.schedule}" + (f" with {v} stages per rank" if v > 1 else ""))
-    found = random_layer(layers, 0)
-    if found is not None:
-        raise ValueError(f"{head} needs layers without randomness (a replay cannot seed each microbatch); {found}")
 
 
 def make_stages(layers: list[nn.Module], plan: Plan, group: int, **kwargs: Any) -> dict[int, Stage]:
@@ -108,6 +69,13 @@ def _meta(leaves: list[Any]) -> list[Any]:
     return [_Tensor(tuple(t.shape), t.dtype, t.requires_grad) if isinstance(t, torch.Tensor) else t for t in leaves]
 
 
+def _show(meta: list[Any]) -> str:
+    """Arguments as an error names them: each tensor's dtype and shape (and whether it requires grad), other
+    values but None (no target, no gradient)."""
+    return ", ".join(f"{str(m.dtype).removeprefix('torch.')}{list(m.shape)}" + (" requiring grad" if m.requires_grad
+                     else "") if isinstance(m, _Tensor) else repr(m) for m in meta if m is not None)
+
+
 def _static(meta: list[Any], device: torch.device) -> list[Any]:
     """The tensors a graph reads, one per tensor of `meta`: zeros (a valid index, a finite value, for the warm-up),
     contiguous, on the device; other leaves as they were."""
@@ -130,13 +98,13 @@ class _Slot:
     def load(self, stage: str, leaves: list[Any]) -> None:
         """Copy this step's arguments into the static tensors; a difference from the first step stops the run."""
         if _meta(leaves) != self.meta:
-            raise RuntimeError(f"PIPEFLOW_CUDA_GRAPHS=1: {stage}'s {self.kind} of microbatch {self.mb} was given "
-                               f"{_meta(leaves)}, but its graph was captured for {self.meta} (the first step's); "
-                               f"graphs need every step's shapes alike: unset PIPEFLOW_CUDA_GRAPHS")
+            raise UsageError(f"PIPEFLOW_CUDA_GRAPHS=1: {stage}'s {self.kind} of microbatch {self.mb} was given "
+                             f"{_show(_meta(leaves))}, but its graph was captured for {_show(self.meta)} (the first "
+                             f"step's); graphs need every step's shapes alike: unset PIPEFLOW_CUDA_GRAPHS")
         with torch.no_grad():
             for s, t in zip(self.static, leaves):
-                if isinstance(t, torch.Tensor):
-                    s.copy_(t)
+                if isinstance(t, torch.Tensor):  # from the host as Stage.to_device copies: pinned, not waited for
+                    s.copy_(t.pin_memory() if t.device.type == "cpu" else t, non_blocking=True)
 
 
 class GraphedStage(Stage):
@@ -166,7 +134,7 @@ class GraphedStage(Stage):
             self._capture()
         slot = self._next("F", mb)
         if (loss_scale, tree) != slot.extra:
-            raise RuntimeError(f"PIPEFLOW_CUDA_GRAPHS=1: {self._name()}'s F of microbatch {mb} changed its loss scale "
+            raise UsageError(f"PIPEFLOW_CUDA_GRAPHS=1: {self._name()}'s F of microbatch {mb} changed its loss scale "
                                f"or input structure since the first step")
         slot.load(self._name(), leaves)
         assert slot.graph is not None
@@ -183,7 +151,7 @@ class GraphedStage(Stage):
             return super().backward(mb, grads)
         slot = self._next("B", mb)
         if (grads is None) != slot.extra:
-            raise RuntimeError(f"PIPEFLOW_CUDA_GRAPHS=1: {self._name()}'s B of microbatch {mb} got gradients where "
+            raise UsageError(f"PIPEFLOW_CUDA_GRAPHS=1: {self._name()}'s B of microbatch {mb} got gradients where "
                                f"the first step got none, or the reverse")
         slot.load(self._name(), leaves)
         assert slot.graph is not None
@@ -194,7 +162,7 @@ class GraphedStage(Stage):
 
     def _record(self, slot: _Slot) -> None:
         if (slot.kind, slot.mb) in self.index:
-            raise RuntimeError(f"PIPEFLOW_CUDA_GRAPHS=1: {self._name()} ran {slot.kind} of microbatch {slot.mb} twice "
+            raise UsageError(f"PIPEFLOW_CUDA_GRAPHS=1: {self._name()} ran {slot.kind} of microbatch {slot.mb} twice "
                                f"in its first step")
         self.slots.append(slot)
         self.index[(slot.kind, slot.mb)] = slot
@@ -202,7 +170,7 @@ class GraphedStage(Stage):
     def _next(self, kind: str, mb: int) -> _Slot:
         slot = self.slots[self.cursor]
         if (slot.kind, slot.mb) != (kind, mb):
-            raise RuntimeError(f"PIPEFLOW_CUDA_GRAPHS=1: {self._name()} ran {kind} of microbatch {mb} where its "
+            raise UsageError(f"PIPEFLOW_CUDA_GRAPHS=1: {self._name()} ran {kind} of microbatch {mb} where its "
                                f"first step ran {slot.kind} of microbatch {slot.mb}; graphs replay one order")
         self.cursor = (self.cursor + 1) % len(self.slots)
         return slot
@@ -232,11 +200,18 @@ class GraphedStage(Stage):
                 # thread_local: the rank's other threads (copy-engine links, the watchdog) go on meanwhile;
                 # no device synchronisation (a posted receive may be waiting for a peer that is capturing too).
                 slot.graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                failed: Exception | None = None
                 try:
                     self._run_slot(slot)
-                    slot.graph.capture_end()
-                except RuntimeError as e:
-                    raise RuntimeError(_capture_error(self._name(), slot, e)) from None
+                except Exception as e:  # reported in one line below
+                    failed = e
+                finally:
+                    try:  # always ended, as torch.cuda.graph ends it: the stream leaves capture mode
+                        slot.graph.capture_end()
+                    except RuntimeError as e:
+                        failed = failed or e
+                if failed is not None:
+                    raise UsageError(_capture_error(self._name(), slot, failed)) from None
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.grads = [(p, p.grad) for p in self.parameters() if p.grad is not None]
         for p in self.parameters():
@@ -276,8 +251,12 @@ class GraphedStage(Stage):
 
 
 def _capture_error(stage: str, slot: _Slot, e: Exception) -> str:
-    """The one line for a capture that failed: what was captured, CUDA's first line, the usual causes."""
+    """The one line for a capture that failed: what was captured, the error's first line, the usual causes."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return (f"PIPEFLOW_CUDA_GRAPHS=1: capturing {stage}'s {slot.kind} of microbatch {slot.mb} failed ({first}); "
-            f"a layer that reads a value back to the host (.item(), a data-dependent shape) or an autograd graph of "
-            f"the first step kept alive cannot be captured: unset PIPEFLOW_CUDA_GRAPHS")
+    head = f"PIPEFLOW_CUDA_GRAPHS=1: capturing {stage}'s {slot.kind} of microbatch {slot.mb} failed ({first}); "
+    if isinstance(e, torch.OutOfMemoryError):
+        return head + ("the graphs' pool holds a step's peak beside what the first, eager step left cached: unset "
+                       "PIPEFLOW_CUDA_GRAPHS or plan with less memory per worker")
+    return head + ("a layer that reads a value back to the host (.item(), a data-dependent shape), saves the random "
+                   "state (activation checkpointing) or an autograd graph of the first step kept alive cannot be "
+                   "captured: unset PIPEFLOW_CUDA_GRAPHS")

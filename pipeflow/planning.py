@@ -100,7 +100,7 @@ def plan_on_the_spot(args: TrainConfig, spec: ModelSpec, world_size: int, rank: 
             from partitioner.auto import AUTO, candidates_table, plan_schedule
             from partitioner.batch import global_batch_table, plan_global_batch
             from partitioner.profiler import profile_model
-            from pipeflow.graphs import graphs_enabled
+            from pipeflow.graphcheck import graphs_enabled
 
             device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
             limit, limit_from = spot_memory(args, device, max(Counter(hosts).values()))
@@ -202,7 +202,7 @@ def check_model_on_plan(spec: ModelSpec, plan: Plan, device: str) -> None:
     """What the plan's schedule cannot run of this model, refused before any work: a Parameter shared by layers of
     several stages trains as one under gpipe and 1f1b (engine.py), but the asynchronous schedules would give its
     copies different weight versions; and what PIPEFLOW_CUDA_GRAPHS=1 cannot replay (graphs.py). `device`: --device."""
-    from pipeflow.graphs import check_graphs
+    from pipeflow.graphcheck import check_graphs
     from pipeflow.links import tied_async_error
     from pipeflow.reduce import find_ties
 

@@ -9,7 +9,9 @@ from torch import nn
 
 from partitioner.plan import even_plan
 from pipeflow import config
-from pipeflow.graphs import GraphedStage, check_graphs, random_layer
+from pipeflow.failure import UsageError
+from pipeflow.graphcheck import check_graphs, random_layer
+from pipeflow.graphs import GraphedStage
 from pipeflow.stage import Stage, mark_requires_grad
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -62,6 +64,59 @@ def test_the_knob_takes_0_or_1():
         config.check_environment({"PIPEFLOW_CUDA_GRAPHS": "yes"})
 
 
+def stub_cuda_graphs(monkeypatch) -> None:
+    """CUDA's graph calls as no-ops, so that a CPU runs GraphedStage's host-side bookkeeping (a replay then runs
+    nothing: what it returns is the capture's, not this step's)."""
+    import contextlib
+
+    class Graph:
+        def capture_begin(self, pool=None, capture_error_mode="global"): pass
+        def capture_end(self): pass
+        def replay(self): pass
+
+    class Stream:
+        def __init__(self, *args, **kwargs): pass
+        def wait_stream(self, other): pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+
+
+def test_a_step_unlike_the_first_stops_with_one_usage_error(monkeypatch):
+    """The checks of a replay, on the host: another shape, gradients where the first step had none, another order;
+    each a UsageError of one line (pipeflow-train prints it and stops every rank with exit 2)."""
+    stub_cuda_graphs(monkeypatch)
+    stage = GraphedStage([nn.Linear(4, 4)], start=3, first=False, last=False, loss_fn=None,
+                         device=torch.device("cpu"))
+
+    def received(rows: int = 2) -> list[torch.Tensor]:
+        return mark_requires_grad([torch.randn(rows, 4)], [True])
+
+    for _ in range(2):
+        for i in range(2):
+            stage.forward(i, received())
+        for i in range(2):
+            stage.backward(i, [torch.ones(2, 4)])
+    assert stage.captured and [(s.kind, s.mb) for s in stage.slots] == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    with pytest.raises(UsageError) as e:
+        stage.forward(0, received(3))
+    assert str(e.value) == ("PIPEFLOW_CUDA_GRAPHS=1: layer 3 (Linear)'s F of microbatch 0 was given float32[3, 4] "
+                            "requiring grad, but its graph was captured for float32[2, 4] requiring grad (the first "
+                            "step's); graphs need every step's shapes alike: unset PIPEFLOW_CUDA_GRAPHS")
+    stage.cursor = 2
+    with pytest.raises(UsageError, match=r"^PIPEFLOW_CUDA_GRAPHS=1: layer 3 \(Linear\)'s B of microbatch 0 got "
+                                         r"gradients where the first step got none, or the reverse$"):
+        stage.backward(0, None)
+    stage.cursor = 0
+    with pytest.raises(UsageError, match=r"^PIPEFLOW_CUDA_GRAPHS=1: layer 3 \(Linear\) ran F of microbatch 1 where "
+                                         r"its first step ran F of microbatch 0; graphs replay one order$"):
+        stage.forward(1, received())
+
+
 def pipeline(graphed: bool, device: torch.device, left_out: int) -> tuple[list[Stage], torch.optim.Optimizer]:
     """Two stages of `layers()`; the optimizer leaves the last `left_out` parameters out (their gradients add up
     from step to step, as in one process)."""
@@ -75,7 +130,7 @@ def pipeline(graphed: bool, device: torch.device, left_out: int) -> tuple[list[S
 
 
 def train(graphed: bool, steps: int, m: int, order: list[str] | None = None,
-          left_out: int = 0) -> tuple[list[torch.Tensor], list[float]]:
+          left_out: int = 0) -> tuple[list[torch.Tensor], list[float], bool]:
     """Two stages in one process, gpipe's order on stage 0 (every forward, then every backward: m microbatches in
     flight) and each microbatch's forward and backward together on stage 1; `order` swaps the backwards of the last
     step on stage 0 ("reversed")."""
@@ -101,20 +156,21 @@ def train(graphed: bool, steps: int, m: int, order: list[str] | None = None,
         opt.zero_grad(set_to_none=True)
     state = [t.detach().clone() for s in (s0, s1) for t in [*s.module.parameters(), *s.module.buffers()]]
     state += [p.grad.clone() for s in (s0, s1) for p in s.module.parameters() if p.grad is not None]
-    return state, losses
+    return state, losses, all(getattr(s, "captured", False) for s in (s0, s1))
 
 
 @cuda
 @pytest.mark.parametrize("left_out", [0, 2])
 def test_graphed_stages_train_as_eager_ones(left_out):
     eager, graphed = train(False, 4, 3, left_out=left_out), train(True, 4, 3, left_out=left_out)
+    assert graphed[2] and not eager[2]  # both stages replayed graphs from the second step
     assert graphed[1] == eager[1]
     assert len(eager[0]) == len(graphed[0]) and all(torch.equal(a, b) for a, b in zip(eager[0], graphed[0]))
 
 
 @cuda
 def test_a_step_out_of_the_first_steps_order_stops_with_one_line():
-    with pytest.raises(RuntimeError, match=r"^PIPEFLOW_CUDA_GRAPHS=1: layers 0-1 ran B of microbatch 2 where its "
+    with pytest.raises(UsageError, match=r"^PIPEFLOW_CUDA_GRAPHS=1: layers 0-1 ran B of microbatch 2 where its "
                                            r"first step ran B of microbatch 0; graphs replay one order$"):
         train(True, 3, 3, order=["reversed"])
 
