@@ -117,6 +117,33 @@ def test_a_step_unlike_the_first_stops_with_one_usage_error(monkeypatch):
         stage.forward(1, received())
 
 
+def test_gradients_point_at_the_graphs_memory_after_each_backward(monkeypatch):
+    """The bookkeeping of .grad, on the host: after the capture the parameters the update emptied hold nothing
+    until a backward's replay, which points them at the memory the graphs write (the update sets them to None
+    again); a parameter that kept its gradient (left out of the optimizer) keeps the same tensor, added into."""
+    stub_cuda_graphs(monkeypatch)
+    stage = GraphedStage([nn.Linear(4, 4), nn.Linear(4, 4)], start=0, first=False, last=False, loss_fn=None,
+                         device=torch.device("cpu"))
+    first, second = stage.module
+    for i in range(2):
+        stage.forward(i, mark_requires_grad([torch.randn(2, 4)], [True]))
+    for i in range(2):
+        stage.backward(i, [torch.ones(2, 4)])
+    kept = second.weight.grad
+    for p in (first.weight, first.bias, second.bias):  # the update's zero_grad(set_to_none=True) of the others
+        p.grad = None
+    stage.forward(0, mark_requires_grad([torch.randn(2, 4)], [True]))  # the second step: captured here
+    assert stage.captured and first.weight.grad is None and second.weight.grad is kept
+    pool = dict((id(p), g) for p, g in stage.grads)
+    assert set(pool) == {id(p) for p in stage.parameters()} and pool[id(second.weight)] is kept
+    stage.forward(1, mark_requires_grad([torch.randn(2, 4)], [True]))
+    stage.backward(0, [torch.ones(2, 4)])
+    assert all(p.grad is pool[id(p)] for p in stage.parameters())
+    first.weight.grad = None  # the update again
+    stage.backward(1, [torch.ones(2, 4)])
+    assert first.weight.grad is pool[id(first.weight)]
+
+
 def pipeline(graphed: bool, device: torch.device, left_out: int) -> tuple[list[Stage], torch.optim.Optimizer]:
     """Two stages of `layers()`; the optimizer leaves the last `left_out` parameters out (their gradients add up
     from step to step, as in one process)."""
