@@ -1,5 +1,6 @@
-"""What PIPEFLOW_CUDA_GRAPHS=1 can replay (pipeflow/graphs.py), checked before any work: the knob, the device, the
-schedule and layers without randomness."""
+"""What PIPEFLOW_CUDA_GRAPHS=1 can replay (pipeflow/graphs.py), checked before any work.
+
+The knob, the device, the schedule, and layers without randomness."""
 from __future__ import annotations
 
 import os

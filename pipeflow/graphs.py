@@ -1,9 +1,9 @@
-"""A stage's forwards and backwards replayed as CUDA graphs (PIPEFLOW_CUDA_GRAPHS=1): the host issues one launch per
-action instead of every kernel of every layer.
+"""A stage's forwards and backwards replayed as CUDA graphs (PIPEFLOW_CUDA_GRAPHS=1): one launch per action.
 
-At small microbatches a GPU finishes a layer's kernels about as fast as the host issues them, and the stage runs
-at the host's pace, which on a shared VM moves from second to second. A graph replays the kernels an action
-issued when it was captured, at the same addresses, so:
+The host issues one launch per action instead of every kernel of every layer. At small microbatches a GPU finishes
+a layer's kernels about as fast as the host issues them, and the stage runs at the host's pace, which on a shared VM
+moves from second to second. A graph replays the kernels an action issued when it was captured, at the same
+addresses, so:
 
 - The first step runs as usual (eager) and records, per action, what it was given: the order of the stage's
   forwards (F) and backwards (B), the shapes, dtypes and structure of each microbatch's inputs, target and
