@@ -108,6 +108,14 @@ class LayerCosts:
         bwd = own + self.message_ms * (np.asarray(i) > 0)
         return np.asarray(fwd, dtype=np.float64), np.asarray(bwd, dtype=np.float64)
 
+    def port_bytes(self, i: np.ndarray | int, k: np.ndarray | int | None) -> np.ndarray:
+        """A microbatch's bytes through stage [i, k)'s send (or receive) port: the activation in and its gradient
+        out, the activation out where a stage follows (k < L; None: not known) and its gradient in."""
+        nbytes = self.output_bytes[np.asarray(i) - 1] * (np.asarray(i) > 0)
+        if k is not None:
+            nbytes = nbytes + self.output_bytes[np.asarray(k) - 1] * (np.asarray(k) < len(self))
+        return np.asarray(nbytes)
+
 
 @dataclass
 class CostModel:
@@ -220,17 +228,8 @@ class CostModel:
         return self.Fw[i] + np.maximum(busy, trip) + np.maximum(self.Bw[i], exposed)
 
     def port_ms(self, i: np.ndarray | int, k: np.ndarray | int | None, r: np.ndarray | float,
-                level: int) -> np.ndarray:  # busy time of the busiest replica's send (or receive) port
-        return self.port_bytes(i, k, r) / self.bw(level)
-
-    def port_bytes(self, i: np.ndarray | int, k: np.ndarray | int | None, r: np.ndarray | float) -> np.ndarray:
-        """Bytes through the busiest replica's send (or receive) port a minibatch: ceil(m / r) messages in, as many
-        out (none where no stage follows: k None or the last layer's)."""
-        out = self.layers.output_bytes
-        nbytes = out[np.asarray(i) - 1] * (np.asarray(i) > 0)
-        if k is not None:
-            nbytes = nbytes + out[np.asarray(k) - 1] * (np.asarray(k) < self.num_layers)
-        return self.share(r) * nbytes
+                level: int) -> np.ndarray:  # the busiest replica's port busy: ceil(m / r) microbatches' bytes
+        return self.share(r) * self.layers.port_bytes(i, k) / self.bw(level)
 
     def in_flight(self, downstream: np.ndarray | int, r: np.ndarray | int) -> np.ndarray:
         """Microbatches whose activations a replica keeps (schedule.warmup_forwards + 1, or all for gpipe)."""
@@ -252,7 +251,7 @@ class CostModel:
         p, fl = self.P[j] - self.P[i], self.in_flight(downstream, r)
         states = OPTIMIZER_STATES[self.optimizer] / (np.asarray(r) if self.layers.shard_optimizer else 1)
         share = 1 / np.asarray(r) if self.layers.shard_optimizer else 1.0  # a deferred update's held gradient
-        graphs = 2 * self.port_bytes(i, j, r) if self.layers.graphs else 0.0
+        graphs = 2 * self.share(r) * self.layers.port_bytes(i, j) if self.layers.graphs else 0.0
         return (p * (2 + states + self.kind.stashed_versions(fl, share)) + graphs
                 + fl * (self.A[j] - self.A[i]) + self.layers.loss_bytes * (np.asarray(j) == self.num_layers))
 

@@ -89,9 +89,9 @@ def price(lay: LayerCosts, topology: Topology, schedule: str, microbatches: int,
 
     def run(scale: float) -> tuple[list[StageCost], SimResult]:
         costs = stage_costs(lay, topology, ranges, ranks, kind, scale=scale)
-        for s, cost in enumerate(costs if lay.graphs else []):  # CostModel.memory_bytes: a replayed action's
-            local = -(-microbatches // len(ranks[s]))           # static input and output (pipeflow/graphs.py)
-            cost.transient_bytes += 2 * local * ((costs[s - 1].output_bytes if s else 0.0) + cost.output_bytes)
+        for s, ((a, b), rs) in enumerate(zip(ranges, ranks) if lay.graphs else []):  # CostModel.memory_bytes:
+            local = -(-microbatches // len(rs))  # each replayed action's static input and output (graphs.py)
+            costs[s].transient_bytes += 2 * local * float(lay.port_bytes(a, b))
         for s, cost in enumerate(costs[:groups]):  # the runtime's own time per update (a rank's chunks together)
             # and the weight copies an update makes the asynchronous schedules keep (ScheduleKind.copies_per_update)
             cost.optimizer_ms += lay.update_ms + lay.copy_ms_per_byte * cost.parameter_bytes * kind.copies_per_update(

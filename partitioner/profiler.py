@@ -38,6 +38,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 # timing priced every row at microbatch 4 and 8 within 6% with no calibration, where the kernels back to back were
 # 11-15% fast and each call from an idle device over-priced microbatch 2 by 13-16%.
 DEFAULT_TIMING = {False: "idle", True: "stage"}
+CUDA_TIMINGS = ("kernels", "graphs")  # --timing values that time CUDA kernels: refused on a CPU
 
 
 def default_timing(device: torch.device) -> str:
@@ -96,7 +97,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
         raise ProfileError(f"--rounds must be >= 1, found {rounds}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ProfileError("--device cuda, but torch sees no CUDA device; use --device cpu")
-    if timing in ("kernels", "graphs") and dev.type != "cuda":
+    if timing in CUDA_TIMINGS and dev.type != "cuda":
         raise ProfileError(f"--timing {timing} times CUDA kernels: it needs --device cuda, found {dev.type}")
     held = timing == "kernels"
     chained = timing in ("stage", "graphs")  # the layers timed as a stage runs them (chain.py)
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         sizes = _sizes(args.microbatch_size, args.microbatch_sizes)
-        if args.timing in ("kernels", "graphs") and args.device != "cuda":
+        if args.timing in CUDA_TIMINGS and args.device != "cuda":
             raise ProfileError(f"--timing {args.timing} times CUDA kernels: it needs --device cuda, found "
                                f"{args.device}")
         model_args = parse_model_args(args.model_args)

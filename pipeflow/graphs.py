@@ -41,18 +41,16 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from partitioner.plan import Plan
 from pipeflow.failure import UsageError
-from pipeflow.graphcheck import check_graphs, graphs_enabled
+from pipeflow.graphcheck import graphs_enabled
 from pipeflow.stage import Stage
 
 
 def make_stages(layers: list[nn.Module], plan: Plan, group: int, **kwargs: Any) -> dict[int, Stage]:
-    """This rank's chunks (stage k for k mod S == group), as GraphedStage under PIPEFLOW_CUDA_GRAPHS=1 (checked
-    first), else Stage; `kwargs`: Stage's loss_fn, device, dtype and seed."""
-    graphed = graphs_enabled()
-    if graphed:
-        check_graphs(layers, plan, kwargs["device"].type)
+    """This rank's chunks (stage k for k mod S == group), as GraphedStage under PIPEFLOW_CUDA_GRAPHS=1 (which
+    pipeflow-train and Pipeline checked at set-up: planning.check_model_on_plan), else Stage; `kwargs`: Stage's
+    loss_fn, device, dtype and seed."""
     K = len(plan.stages)
-    make = GraphedStage if graphed else Stage
+    make = GraphedStage if graphs_enabled() else Stage
     return {k: make(layers[st.layers[0]:st.layers[1]], start=st.layers[0], first=k == 0, last=k == K - 1, **kwargs)
             for k, st in enumerate(plan.stages) if k % plan.groups == group}
 
@@ -124,9 +122,9 @@ class GraphedStage(Stage):
     # -- the first step: eager, recorded ---------------------------------------------------------------------------
     def forward(self, mb: int, inputs: list[torch.Tensor] | Any, target: torch.Tensor | None = None,
                 *, loss_scale: float = 1.0, global_mb: int | None = None, tree: Any = None) -> list[torch.Tensor]:
-        leaves, spec = tree_flatten((inputs, target))
         if not torch.is_grad_enabled():
             return super().forward(mb, inputs, target, loss_scale=loss_scale, global_mb=global_mb, tree=tree)
+        leaves, spec = tree_flatten((inputs, target))
         if not self.captured and ("F", mb) not in self.index:  # the first step goes on
             self._record(_Slot("F", mb, leaves, spec, (loss_scale, tree)))
             return super().forward(mb, inputs, target, loss_scale=loss_scale, global_mb=global_mb, tree=tree)
@@ -135,7 +133,7 @@ class GraphedStage(Stage):
         slot = self._next("F", mb)
         if (loss_scale, tree) != slot.extra:
             raise UsageError(f"PIPEFLOW_CUDA_GRAPHS=1: {self._name()}'s F of microbatch {mb} changed its loss scale "
-                               f"or input structure since the first step")
+                             f"or input structure since the first step")
         slot.load(self._name(), leaves)
         assert slot.graph is not None
         slot.graph.replay()
@@ -152,7 +150,7 @@ class GraphedStage(Stage):
         slot = self._next("B", mb)
         if (grads is None) != slot.extra:
             raise UsageError(f"PIPEFLOW_CUDA_GRAPHS=1: {self._name()}'s B of microbatch {mb} got gradients where "
-                               f"the first step got none, or the reverse")
+                             f"the first step got none, or the reverse")
         slot.load(self._name(), leaves)
         assert slot.graph is not None
         slot.graph.replay()
@@ -163,7 +161,7 @@ class GraphedStage(Stage):
     def _record(self, slot: _Slot) -> None:
         if (slot.kind, slot.mb) in self.index:
             raise UsageError(f"PIPEFLOW_CUDA_GRAPHS=1: {self._name()} ran {slot.kind} of microbatch {slot.mb} twice "
-                               f"in its first step")
+                             f"in its first step")
         self.slots.append(slot)
         self.index[(slot.kind, slot.mb)] = slot
 
@@ -171,7 +169,7 @@ class GraphedStage(Stage):
         slot = self.slots[self.cursor]
         if (slot.kind, slot.mb) != (kind, mb):
             raise UsageError(f"PIPEFLOW_CUDA_GRAPHS=1: {self._name()} ran {kind} of microbatch {mb} where its "
-                               f"first step ran {slot.kind} of microbatch {slot.mb}; graphs replay one order")
+                             f"first step ran {slot.kind} of microbatch {slot.mb}; graphs replay one order")
         self.cursor = (self.cursor + 1) % len(self.slots)
         return slot
 
