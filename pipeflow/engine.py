@@ -12,8 +12,8 @@ from partitioner.plan import Plan
 from pipeflow.clip import grad_clip
 from pipeflow.comm import P2P, World, all_reduce
 from pipeflow.gradients import recv_grads, send_grads, signature_of
-from pipeflow.graphs import make_stages
-from pipeflow.hooks import Feed, GateFactory, StepGate, Timer, Timing, WeightHooks, WeightPolicy
+from pipeflow.graphs import make_stages, weight_hooks
+from pipeflow.hooks import Feed, GateFactory, StepGate, Timer, Timing, WeightHooks
 from pipeflow.kinds import Weights, schedule_kind
 from pipeflow.links import arm_points, make_links, make_reducers, reduce_late, send_window, tied_async_error
 from pipeflow.lrsched import LrSchedule, scheduled_lr
@@ -76,7 +76,7 @@ class Engine:
                              st.ranks) if shard_optimizer or plan.shard_optimizer else None  # ZeRO stage 1
         self.optimizer = optimizer_over(optimizer_factory, self.shard.owned if self.shard else self.parameters(),
                                         world.device, world.mpi if world.size > 1 else None, f" (stage {self.s})")
-        self.policy: WeightHooks = WeightPolicy()
+        self.policy: WeightHooks = weight_hooks(self.stages)  # graphs.CaptureAtStep where stages replay graphs
         if self.kind.weights is not Weights.LIVE:
             self._new_policy()
         last, deferred = self.s == self.S - 1, isinstance(self.policy, LiveWeights)  # deferred: 2bw's last stage

@@ -8,11 +8,13 @@ addresses, so:
 - The first step runs as usual (eager) and records, per action, what it was given: the order of the stage's
   forwards (F) and backwards (B), the shapes, dtypes and structure of each microbatch's inputs, target and
   incoming gradients.
-- At the second step's first forward, every action of a step is captured once, in that order, into one memory
-  pool (PyTorch's rule for a shared pool: replayed in the order captured, one at a time), with static tensors for
-  what comes in. Nothing runs during a capture; the saved activations of a microbatch live in the pool from its
-  forward's capture until its backward's, as they would in an eager step, so the pool's size is an eager step's
-  peak.
+- At the end of the first STEP (CaptureAtStep, the engine's weight hooks), every action of a step is captured
+  once, in that order, into one memory pool (PyTorch's rule for a shared pool: replayed in the order captured, one
+  at a time), with static tensors for what comes in. Nothing runs during a capture; the saved activations of a
+  microbatch live in the pool from its forward's capture until its backward's, as they would in an eager step, so
+  the pool's size is an eager step's peak. The memory the eager step left cached is released first: a flush has
+  received every message of the step and no receive of the next is posted, so the device may synchronise. (A
+  stage driven without that hook captures at the second step's first forward and keeps the cache.)
 - From then on each action copies what it is given into its static tensors and replays its graph. The first
   backward to reach a parameter was captured with .grad unset, so its replay writes the gradient and the others
   add to it, as autograd accumulates; .grad is pointed at that memory again after each backward (the update sets
@@ -42,6 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from partitioner.plan import Plan
 from pipeflow.failure import UsageError
 from pipeflow.graphcheck import graphs_enabled
+from pipeflow.hooks import WeightHooks, WeightPolicy
 from pipeflow.stage import Stage
 
 
@@ -53,6 +56,23 @@ def make_stages(layers: list[nn.Module], plan: Plan, group: int, **kwargs: Any) 
     make = GraphedStage if graphs_enabled() else Stage
     return {k: make(layers[st.layers[0]:st.layers[1]], start=st.layers[0], first=k == 0, last=k == K - 1, **kwargs)
             for k, st in enumerate(plan.stages) if k % plan.groups == group}
+
+
+def weight_hooks(stages: dict[int, Stage]) -> WeightHooks:
+    """A flush schedule's weight hooks for this rank's stages: CaptureAtStep where they replay graphs."""
+    graphed = [s for s in stages.values() if isinstance(s, GraphedStage)]
+    return CaptureAtStep(graphed) if graphed else WeightPolicy()
+
+
+class CaptureAtStep(WeightPolicy):
+    """The live weights throughout (a flush schedule's), and each graphed stage captured after the first STEP."""
+
+    def __init__(self, stages: list[GraphedStage]) -> None:
+        self.stages = stages
+
+    def after_step(self) -> None:
+        for stage in self.stages:
+            stage.end_step()
 
 
 class _Tensor(NamedTuple):
@@ -181,10 +201,18 @@ class GraphedStage(Stage):
         return x
 
     # -- the capture -----------------------------------------------------------------------------------------------
-    def _capture(self) -> None:
+    def end_step(self) -> None:
+        """After a STEP: the first one's recorded actions captured, the eager step's cached memory released first."""
+        if self.captured or not self.slots:
+            return
+        torch.cuda.empty_cache()  # synchronises the device: every message of the step is in, none of the next posted
+        self._capture(release=True)
+
+    def _capture(self, release: bool = False) -> None:
         """Every action of a step captured in the first step's order into one pool; then replays only. A parameter
         that holds a gradient now (one the optimizer leaves out keeps adding to it, as in one process) is captured
-        adding into it; the others' first backward writes theirs."""
+        adding into it; the others' first backward writes theirs. `release`: the device may synchronise, so the
+        warm-up's cached memory (a microbatch's activations, every gradient) is released before the capture too."""
         kept = {id(p) for p in self.parameters() if p.grad is not None}
         for slot in self.slots:
             slot.static = _static(slot.meta, self.device)
@@ -193,6 +221,8 @@ class GraphedStage(Stage):
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._warm_up()
+            if release:
+                torch.cuda.empty_cache()
             for slot in self.slots:
                 slot.graph = torch.cuda.CUDAGraph()
                 # thread_local: the rank's other threads (copy-engine links, the watchdog) go on meanwhile;

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from pipeflow import checkpoint, restore
 from pipeflow.checkpoint import CheckpointError
-from pipeflow.engine import WeightPolicy
+from pipeflow.hooks import WeightPolicy
 from pipeflow.spec import build_model
 from pipeflow.stage import Stage
 from tests.conftest import Case, MpiRun, batched

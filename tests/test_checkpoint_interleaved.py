@@ -11,7 +11,7 @@ import torch
 
 from pipeflow import checkpoint, restore
 from pipeflow.checkpoint import CheckpointError
-from pipeflow.engine import WeightPolicy
+from pipeflow.hooks import WeightPolicy
 from pipeflow.spec import build_model
 from pipeflow.stage import Stage
 from tests.conftest import Case, MpiRun, batched

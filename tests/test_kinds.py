@@ -182,7 +182,7 @@ def test_action_kinds_are_an_enum_and_round_trip():
 
 def test_dead_code_is_gone():
     from pipeflow.comm import World
-    from pipeflow.engine import WeightPolicy
+    from pipeflow.hooks import WeightPolicy
     from pipeflow.schedule import Schedule, compute_order
     assert not hasattr(World, "barrier") and not hasattr(Schedule, "format_lists")
     assert not hasattr(WeightPolicy, "extra_state") and not hasattr(WeightPolicy, "load_extra_state")

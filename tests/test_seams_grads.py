@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_map
 
 from pipeflow import checkpoint, restore
 from pipeflow.data.loader import MicrobatchLoader
-from pipeflow.engine import WeightPolicy
+from pipeflow.hooks import WeightPolicy
 from pipeflow.reduce import find_ties
 from pipeflow.spec import build_model
 from pipeflow.stage import Stage

@@ -38,12 +38,14 @@ def main() -> None:
     sys.argv = [module, *sys.argv[3:]]
     seen: dict[str, float] = {}
     real_set_device = torch.cuda.set_device
+    stop = threading.Event()
+    watcher: list[threading.Thread] = []
 
     def watch(index: int) -> None:
-        while True:
+        while not stop.is_set():
             free, total = torch.cuda.mem_get_info(index)
             seen["peak"] = max(seen.get("peak", 0.0), (total - free) / GIB)
-            threading.Event().wait(0.2)
+            stop.wait(0.2)
 
     def set_device(device: object) -> None:
         real_set_device(device)  # type: ignore[arg-type]
@@ -57,11 +59,16 @@ def main() -> None:
                      f"{(total - free) / GIB:.2f} GiB")
         torch.cuda.set_per_process_memory_fraction(min(1.0, allowed / total), index)
         seen.update(index=index, allocator=allowed / GIB)
-        threading.Thread(target=watch, args=(index,), daemon=True).start()
+        watcher.append(threading.Thread(target=watch, args=(index,), daemon=True))
+        watcher[0].start()
 
     def report() -> None:
         if "index" not in seen:
             return
+        # Joined before the interpreter finalises: a daemon thread left inside a CUDA call then is unwound through
+        # C++ frames that cannot unwind ("terminate called without an active exception", exit 6 after the result).
+        stop.set()
+        watcher[0].join()
         index = int(seen["index"])
         peak = seen.get("peak", 0.0)
         reserved = torch.cuda.max_memory_reserved(index) / GIB
