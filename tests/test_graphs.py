@@ -172,11 +172,37 @@ def test_gradients_point_at_the_graphs_memory_after_each_backward(monkeypatch):
     assert first.weight.grad is pool[id(first.weight)]
 
 
-def pipeline(graphed: bool, device: torch.device, left_out: int) -> tuple[list[Stage], torch.optim.Optimizer]:
-    """Two stages of `layers()`; the optimizer leaves the last `left_out` parameters out (their gradients add up
+class Branch(nn.Module):
+    """Sends a dict: the trunk, a branch the next stage does not use (its gradient comes back None) and a float."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 24)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        h = self.lin(x)
+        return {"h": torch.tanh(h), "unused": h * 2, "scale": 0.5}
+
+
+class Join(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(24, 24)
+
+    def forward(self, d: dict) -> torch.Tensor:
+        return self.lin(d["h"]) * d["scale"]
+
+
+def branchy() -> list[nn.Module]:
+    return [nn.Sequential(nn.Embedding(16, 8), nn.Flatten()), Branch(), Join(), nn.Linear(24, 5)]
+
+
+def pipeline(graphed: bool, device: torch.device, left_out: int,
+             model_fn=layers) -> tuple[list[Stage], torch.optim.Optimizer]:
+    """Two stages of `model_fn()`; the optimizer leaves the last `left_out` parameters out (their gradients add up
     from step to step, as in one process)."""
     torch.manual_seed(0)
-    model = layers()
+    model = model_fn()
     make = GraphedStage if graphed else Stage
     stages = [make(model[:2], start=0, first=True, last=False, loss_fn=None, device=device),
               make(model[2:], start=2, first=False, last=True, loss_fn=F.cross_entropy, device=device)]
@@ -184,13 +210,12 @@ def pipeline(graphed: bool, device: torch.device, left_out: int) -> tuple[list[S
     return stages, torch.optim.Adam(params[:len(params) - left_out], lr=1e-2)
 
 
-def train(graphed: bool, steps: int, m: int, order: list[str] | None = None,
-          left_out: int = 0) -> tuple[list[torch.Tensor], list[float], bool]:
+def train(graphed: bool, steps: int, m: int, order: list[str] | None = None, left_out: int = 0,
+          model_fn=layers, device: str = "cuda") -> tuple[list[torch.Tensor], list[float], bool]:
     """Two stages in one process, gpipe's order on stage 0 (every forward, then every backward: m microbatches in
     flight) and each microbatch's forward and backward together on stage 1; `order` swaps the backwards of the last
     step on stage 0 ("reversed")."""
-    device = torch.device("cuda")
-    (s0, s1), opt = pipeline(graphed, device, left_out)
+    (s0, s1), opt = pipeline(graphed, torch.device(device), left_out, model_fn)
     g = torch.Generator().manual_seed(1)
     losses = []
     for step in range(steps):
@@ -203,7 +228,7 @@ def train(graphed: bool, steps: int, m: int, order: list[str] | None = None,
         for i in range(m):
             recv = mark_requires_grad([t.detach().clone() for t in sent[i]], [True] * len(sent[i]))
             losses.append(float(s1.forward(i, recv, y[i], loss_scale=1 / m, tree=s0.trees.pop(i))[0]))
-            grads[i] = [g.clone() for g in s1.backward(i, None)]
+            grads[i] = [None if g is None else g.clone() for g in s1.backward(i, None)]
         backs = range(m - 1, -1, -1) if order and step == steps - 1 else range(m)
         for i in backs:
             s0.backward(i, grads[i])
@@ -221,6 +246,40 @@ def train(graphed: bool, steps: int, m: int, order: list[str] | None = None,
 def test_graphed_stages_train_as_eager_ones(left_out):
     eager, graphed = train(False, 4, 3, left_out=left_out), train(True, 4, 3, left_out=left_out)
     assert graphed[2] and not eager[2]  # both stages replayed graphs from the second step
+    assert graphed[1] == eager[1]
+    assert len(eager[0]) == len(graphed[0]) and all(torch.equal(a, b) for a, b in zip(eager[0], graphed[0]))
+
+
+def test_a_structured_message_and_a_gradient_left_none_keep_their_form_in_replays(monkeypatch):
+    """On the host (CUDA's graph calls stubbed): a stage that sends a dict of two tensors and a float, and a next
+    stage that leaves one tensor unused, are captured at the first STEP's end; the replays give back the dict's
+    structure and a None gradient for the unused tensor, as the eager step did."""
+    stub_cuda_graphs(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    torch.manual_seed(0)
+    model, cpu = branchy(), torch.device("cpu")
+    s0 = GraphedStage(model[:2], start=0, first=True, last=False, loss_fn=None, device=cpu)
+    s1 = GraphedStage(model[2:], start=2, first=False, last=True, loss_fn=F.cross_entropy, device=cpu)
+    hooks = weight_hooks({0: s0, 1: s1})
+    x, y = torch.randint(0, 16, (2, 4)), torch.randint(0, 5, (2,))
+    for step in range(3):
+        out = s0.forward(0, x, global_mb=step)
+        tree = s0.trees.pop(0)
+        s1.forward(0, mark_requires_grad([t.detach().clone() for t in out], [True, True]), y, tree=tree)
+        back = s1.backward(0, None)
+        assert [type(t) for t in back] == [torch.Tensor, type(None)]  # "h" and "unused", in the dict's order
+        s0.backward(0, back)
+        hooks.after_step()
+        assert s0.captured and s1.captured
+        assert tree == s0.slots[0].tree  # the structure the capture saw: the replays send it again
+
+
+@cuda
+def test_structured_messages_and_an_output_the_next_stage_leaves_unused_train_as_eager():
+    """Stage 0 sends a dict of two tensors and a float; stage 1 uses one tensor and the float, so the other's gradient
+    comes back None: graphed, both stages train to the eager weights and losses."""
+    eager, graphed = train(False, 4, 3, model_fn=branchy), train(True, 4, 3, model_fn=branchy)
+    assert graphed[2] and not eager[2]
     assert graphed[1] == eager[1]
     assert len(eager[0]) == len(graphed[0]) and all(torch.equal(a, b) for a, b in zip(eager[0], graphed[0]))
 
