@@ -150,9 +150,9 @@ class Engine:
         outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
         in_grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}  # None: an input the stage did not use
         dead: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # buffers to release
-        arm_at = arm_points(self.sched, self.worker, actions, self.split)  # the last B (or W) before a STEP
+        arm_at, steps_done = arm_points(self.sched, self.worker, actions, self.split), 0  # the last B (W) before STEPs
         self.update.begin(self.global_mb(step, 0) // self.m)  # the list's first minibatch: the lr schedule's place
-        steps_done = 0
+        self.policy.begin_actions()  # nothing of this list is posted yet (graphs.CaptureAtStep captures here)
         for a in actions:
             if a.kind is Kind.STEP:
                 self._step()

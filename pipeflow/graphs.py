@@ -8,13 +8,14 @@ addresses, so:
 - The first step runs as usual (eager) and records, per action, what it was given: the order of the stage's
   forwards (F) and backwards (B), the shapes, dtypes and structure of each microbatch's inputs, target and
   incoming gradients.
-- At the end of the first STEP (CaptureAtStep, the engine's weight hooks), every action of a step is captured
+- When the second step begins (CaptureAtStep, the engine's weight hooks), every action of a step is captured
   once, in that order, into one memory pool (PyTorch's rule for a shared pool: replayed in the order captured, one
   at a time), with static tensors for what comes in. Nothing runs during a capture; the saved activations of a
   microbatch live in the pool from its forward's capture until its backward's, as they would in an eager step, so
   the pool's size is an eager step's peak. The memory the eager step left cached is released first: a flush has
-  received every message of the step and no receive of the next is posted, so the device may synchronise. (A
-  stage driven without that hook captures at the second step's first forward and keeps the cache.)
+  received every message of the first step and sent every one, and no receive of the second is posted yet, so the
+  device may synchronise. (A stage driven without that hook captures at the second step's first forward and keeps
+  the cache.)
 - From then on each action copies what it is given into its static tensors and replays its graph. The first
   backward to reach a parameter was captured with .grad unset, so its replay writes the gradient and the others
   add to it, as autograd accumulates; .grad is pointed at that memory again after each backward (the update sets
@@ -65,14 +66,15 @@ def weight_hooks(stages: dict[int, Stage]) -> WeightHooks:
 
 
 class CaptureAtStep(WeightPolicy):
-    """The live weights throughout (a flush schedule's), and each graphed stage captured after the first STEP."""
+    """The live weights throughout (a flush schedule's), and each graphed stage captured when the second step
+    begins, before any of its messages is posted (a run of one step captures nothing)."""
 
     def __init__(self, stages: list[GraphedStage]) -> None:
         self.stages = stages
 
-    def after_step(self) -> None:
+    def begin_actions(self) -> None:
         for stage in self.stages:
-            stage.end_step()
+            stage.capture_recorded()
 
 
 class _Tensor(NamedTuple):
@@ -201,8 +203,8 @@ class GraphedStage(Stage):
         return x
 
     # -- the capture -----------------------------------------------------------------------------------------------
-    def end_step(self) -> None:
-        """After a STEP: the first one's recorded actions captured, the eager step's cached memory released first."""
+    def capture_recorded(self) -> None:
+        """Between two steps: the first step's recorded actions captured, the cached memory it left released first."""
         if self.captured or not self.slots:
             return
         torch.cuda.empty_cache()  # synchronises the device: every message of the step is in, none of the next posted

@@ -117,11 +117,12 @@ def test_a_step_unlike_the_first_stops_with_one_usage_error(monkeypatch):
         stage.forward(1, received())
 
 
-def test_the_first_step_ends_with_its_cache_released_then_every_action_captured(monkeypatch):
-    """The engine's weight hooks under graphs (CaptureAtStep) capture at the end of the first STEP, after releasing
-    what the eager step and then the warm-up left cached (else the graphs' pool, an eager step's peak, sits beside
-    that cache: 2.2-3.0 GiB more in use on 2 x H200 with the first alone); the next
-    step replays without capturing again, and later STEPs capture nothing. Eager stages keep the plain hooks."""
+def test_the_second_step_begins_with_the_cache_released_then_every_action_captured(monkeypatch):
+    """The engine's weight hooks under graphs (CaptureAtStep) capture when the second step's actions begin (nothing
+    of it posted yet), after releasing what the eager step and then the warm-up left cached (else the graphs' pool,
+    an eager step's peak, sits beside that cache: 2.2-3.0 GiB more in use on 2 x H200 with the first alone). The
+    first STEP captures nothing (a run of one step ends without a capture that could run out of memory after its
+    last update), the second step replays, and later steps capture nothing. Eager stages keep the plain hooks."""
     stub_cuda_graphs(monkeypatch)
     events: list[str] = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
@@ -133,15 +134,17 @@ def test_the_first_step_ends_with_its_cache_released_then_every_action_captured(
     assert isinstance(hooks, CaptureAtStep)
     assert not isinstance(weight_hooks({0: Stage([nn.Linear(4, 4)], start=0, first=True, last=False, loss_fn=None,
                                                  device=torch.device("cpu"))}), CaptureAtStep)
+    hooks.begin_actions()
     for i in range(2):
         stage.forward(i, mark_requires_grad([torch.randn(2, 4)], [True]))
     for i in range(2):
         stage.backward(i, [torch.ones(2, 4)])
-    assert not stage.captured and events == []
     hooks.after_step()
+    assert not stage.captured and events == []
+    hooks.begin_actions()
     assert stage.captured and events == ["empty_cache"] * 2 + ["capture"] * 4  # the second: the warm-up's
     stage.forward(0, mark_requires_grad([torch.randn(2, 4)], [True]))
-    hooks.after_step()
+    hooks.begin_actions()
     assert events == ["empty_cache"] * 2 + ["capture"] * 4
 
 
@@ -219,6 +222,8 @@ def train(graphed: bool, steps: int, m: int, order: list[str] | None = None, lef
     g = torch.Generator().manual_seed(1)
     losses = []
     for step in range(steps):
+        if isinstance(s0, GraphedStage):  # as the engine's CaptureAtStep; stage 1 captures at its next forward
+            s0.capture_recorded()
         x = torch.randint(0, 16, (m, 2, 4), generator=g).to(device)
         y = torch.randint(0, 5, (m, 2), generator=g).to(device)
         # As a rank sends them: what is sent keeps no autograd graph alive (a graph a step kept alive holds its
@@ -234,8 +239,6 @@ def train(graphed: bool, steps: int, m: int, order: list[str] | None = None, lef
             s0.backward(i, grads[i])
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if isinstance(s0, GraphedStage):  # as the engine's CaptureAtStep; stage 1 captures at its next forward
-            s0.end_step()
     state = [t.detach().clone() for s in (s0, s1) for t in [*s.module.parameters(), *s.module.buffers()]]
     state += [p.grad.clone() for s in (s0, s1) for p in s.module.parameters() if p.grad is not None]
     return state, losses, all(getattr(s, "captured", False) for s in (s0, s1))
@@ -252,7 +255,7 @@ def test_graphed_stages_train_as_eager_ones(left_out):
 
 def test_a_structured_message_and_a_gradient_left_none_keep_their_form_in_replays(monkeypatch):
     """On the host (CUDA's graph calls stubbed): a stage that sends a dict of two tensors and a float, and a next
-    stage that leaves one tensor unused, are captured at the first STEP's end; the replays give back the dict's
+    stage that leaves one tensor unused, are captured as the second step begins; the replays give back the dict's
     structure and a None gradient for the unused tensor, as the eager step did."""
     stub_cuda_graphs(monkeypatch)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -262,16 +265,18 @@ def test_a_structured_message_and_a_gradient_left_none_keep_their_form_in_replay
     s1 = GraphedStage(model[2:], start=2, first=False, last=True, loss_fn=F.cross_entropy, device=cpu)
     hooks = weight_hooks({0: s0, 1: s1})
     x, y = torch.randint(0, 16, (2, 4)), torch.randint(0, 5, (2,))
+    trees = []
     for step in range(3):
+        hooks.begin_actions()
         out = s0.forward(0, x, global_mb=step)
         tree = s0.trees.pop(0)
+        trees.append(tree)
         s1.forward(0, mark_requires_grad([t.detach().clone() for t in out], [True, True]), y, tree=tree)
         back = s1.backward(0, None)
         assert [type(t) for t in back] == [torch.Tensor, type(None)]  # "h" and "unused", in the dict's order
         s0.backward(0, back)
-        hooks.after_step()
-        assert s0.captured and s1.captured
-        assert tree == s0.slots[0].tree  # the structure the capture saw: the replays send it again
+        assert s0.captured == s1.captured == (step > 0)
+    assert trees[0] is not None and trees[1] == trees[2] == trees[0]  # the replays send the eager step's structure
 
 
 @cuda
