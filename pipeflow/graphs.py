@@ -12,10 +12,10 @@ addresses, so:
   once, in that order, into one memory pool (PyTorch's rule for a shared pool: replayed in the order captured, one
   at a time), with static tensors for what comes in. Nothing runs during a capture; the saved activations of a
   microbatch live in the pool from its forward's capture until its backward's, as they would in an eager step, so
-  the pool's size is an eager step's peak. The memory the eager step left cached is released first: a flush has
-  received every message of the first step and sent every one, and no receive of the second is posted yet, so the
-  device may synchronise. (A stage driven without that hook captures at the second step's first forward and keeps
-  the cache.)
+  the pool's size is an eager step's peak. The memory the eager step left cached is released first: between two
+  steps of a flush every message of the first is posted on both ends and no peer needs this rank's second step to
+  post its side, so the device may synchronise (the synchronisation completes them). (A stage driven without that
+  hook captures at the second step's first forward, without synchronising, and keeps the cache.)
 - From then on each action copies what it is given into its static tensors and replays its graph. The first
   backward to reach a parameter was captured with .grad unset, so its replay writes the gradient and the others
   add to it, as autograd accumulates; .grad is pointed at that memory again after each backward (the update sets
@@ -128,9 +128,9 @@ class _Slot:
 
 
 class GraphedStage(Stage):
-    """A Stage whose F and B actions, from the second step on, replay CUDA graphs (module docstring). A flush
-    schedule numbers a step's microbatches from 0 again: the first forward of an index seen before starts the
-    second step."""
+    """A Stage whose F and B actions, from the second step on, replay CUDA graphs (module docstring): captured by
+    `capture_recorded` when the engine's second step begins (CaptureAtStep), or else at the first forward of a
+    microbatch index seen before (a flush schedule numbers a step's microbatches from 0 again)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -227,8 +227,9 @@ class GraphedStage(Stage):
                 torch.cuda.empty_cache()
             for slot in self.slots:
                 slot.graph = torch.cuda.CUDAGraph()
-                # thread_local: the rank's other threads (copy-engine links, the watchdog) go on meanwhile;
-                # no device synchronisation (a posted receive may be waiting for a peer that is capturing too).
+                # thread_local: the rank's other threads (copy-engine links, the watchdog) go on meanwhile; none
+                # synchronises the device (at the fallback's capture a receive may be posted for a peer that is
+                # capturing too).
                 slot.graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 failed: Exception | None = None
                 try:
@@ -285,8 +286,8 @@ def _capture_error(stage: str, slot: _Slot, e: Exception) -> str:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     head = f"PIPEFLOW_CUDA_GRAPHS=1: capturing {stage}'s {slot.kind} of microbatch {slot.mb} failed ({first}); "
     if isinstance(e, torch.OutOfMemoryError):
-        return head + ("the graphs' pool holds a step's peak beside what the first, eager step left cached: unset "
-                       "PIPEFLOW_CUDA_GRAPHS or plan with less memory per worker")
+        return head + ("the graphs' pool holds an eager step's peak and every action's static inputs and outputs: "
+                       "unset PIPEFLOW_CUDA_GRAPHS or plan with less memory per worker")
     return head + ("a layer that reads a value back to the host (.item(), a data-dependent shape), saves the random "
                    "state (activation checkpointing) or an autograd graph of the first step kept alive cannot be "
                    "captured: unset PIPEFLOW_CUDA_GRAPHS")

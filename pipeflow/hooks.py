@@ -1,7 +1,8 @@
 """The engine's hooks, as small Protocols given to its constructor (issue 12: nothing outside the engine
 assigns its attributes): a `Feed` gives it microbatches, `Timing` measures spans of its work (the
 monitor's SpanTimer, spans.py), a `StepGate` decides at every STEP whether the optimizer update is
-applied (guard.StepGuard), and `WeightHooks` swap weight versions around each action (stash.StashPolicy).
+applied (guard.StepGuard), and `WeightHooks` swap weight versions around each action (stash.StashPolicy) or, at
+the start of an action list, capture CUDA graphs (graphs.CaptureAtStep).
 Each has a default that does nothing, and none of their implementations needs to import the engine."""
 from __future__ import annotations
 

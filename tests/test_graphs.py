@@ -120,7 +120,8 @@ def test_a_step_unlike_the_first_stops_with_one_usage_error(monkeypatch):
 def test_the_second_step_begins_with_the_cache_released_then_every_action_captured(monkeypatch):
     """The engine's weight hooks under graphs (CaptureAtStep) capture when the second step's actions begin (nothing
     of it posted yet), after releasing what the eager step and then the warm-up left cached (else the graphs' pool,
-    an eager step's peak, sits beside that cache: 2.2-3.0 GiB more in use on 2 x H200 with the first alone). The
+    an eager step's peak, sits beside that cache: 2.7-3.0 GiB more than eager in use on 2 x H200 with the warm-up's
+    kept). The
     first STEP captures nothing (a run of one step ends without a capture that could run out of memory after its
     last update), the second step replays, and later steps capture nothing. Eager stages keep the plain hooks."""
     stub_cuda_graphs(monkeypatch)
@@ -128,6 +129,8 @@ def test_the_second_step_begins_with_the_cache_released_then_every_action_captur
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
     monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", lambda self, pool=None, capture_error_mode="global":
                         events.append("capture"))
+    warm_up = GraphedStage._warm_up
+    monkeypatch.setattr(GraphedStage, "_warm_up", lambda self: (events.append("warm-up"), warm_up(self)))
     stage = GraphedStage([nn.Linear(4, 4)], start=3, first=False, last=False, loss_fn=None,
                          device=torch.device("cpu"))
     hooks = weight_hooks({1: stage})
@@ -142,10 +145,47 @@ def test_the_second_step_begins_with_the_cache_released_then_every_action_captur
     hooks.after_step()
     assert not stage.captured and events == []
     hooks.begin_actions()
-    assert stage.captured and events == ["empty_cache"] * 2 + ["capture"] * 4  # the second: the warm-up's
+    captured = ["empty_cache", "warm-up", "empty_cache"] + ["capture"] * 4
+    assert stage.captured and events == captured
     stage.forward(0, mark_requires_grad([torch.randn(2, 4)], [True]))
     hooks.begin_actions()
-    assert events == ["empty_cache"] * 2 + ["capture"] * 4
+    assert events == captured
+
+
+def test_the_engine_captures_as_its_second_step_begins(monkeypatch):
+    """pipeflow-train's and Pipeline's engine under PIPEFLOW_CUDA_GRAPHS=1 (one stage in this process, CUDA's graph
+    calls stubbed): its weight hooks are CaptureAtStep; the first step records, and the second step's actions begin
+    with the cache released, the warm-up and every action captured, before the first forward they replay."""
+    from mpi4py import MPI
+
+    from partitioner.plan import Plan
+    from pipeflow.comm import World
+    from pipeflow.data.loader import MicrobatchLoader
+    from pipeflow.engine import Engine
+    from pipeflow.spec import build_model
+
+    stub_cuda_graphs(monkeypatch)
+    monkeypatch.setenv("PIPEFLOW_CUDA_GRAPHS", "1")
+    events: list[str] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", lambda self, pool=None, capture_error_mode="global":
+                        events.append("capture"))
+    warm_up, forward = GraphedStage._warm_up, GraphedStage.forward
+    monkeypatch.setattr(GraphedStage, "_warm_up", lambda self: (events.append("warm-up"), warm_up(self)))
+    monkeypatch.setattr(GraphedStage, "forward", lambda self, mb, *a, **k: (events.append(f"F{mb}"),
+                                                                           forward(self, mb, *a, **k))[1])
+    plan = Plan.from_json({"format": "pipeflow.plan/1", "schedule": "1f1b", "microbatches": 2, "workers": 1,
+                           "stages": [{"layers": [0, 3], "replicas": 1, "ranks": [0]}]})
+    spec = build_model("mlp", {"layers": 3, "d_in": 4, "hidden": 8, "classes": 3, "samples": 64})
+    loader = MicrobatchLoader(spec.dataset, 4, seed=0)
+    loader.stage_on(torch.device("cpu"), 2)
+    engine = Engine(World(0, 1, 0, torch.device("cpu"), "gloo", MPI.COMM_SELF), plan, spec, schedule="1f1b",
+                    loader=loader, total_steps=2, optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert isinstance(engine.policy, CaptureAtStep) and isinstance(engine.stage, GraphedStage)
+    engine.train_step(0)
+    assert events == ["F0", "F1"] and not engine.stage.captured
+    engine.train_step(1)
+    assert events == ["F0", "F1", "empty_cache", "warm-up", "empty_cache"] + ["capture"] * 4 + ["F0", "F1"]
 
 
 def test_gradients_point_at_the_graphs_memory_after_each_backward(monkeypatch):
@@ -214,11 +254,12 @@ def pipeline(graphed: bool, device: torch.device, left_out: int,
 
 
 def train(graphed: bool, steps: int, m: int, order: list[str] | None = None, left_out: int = 0,
-          model_fn=layers, device: str = "cuda") -> tuple[list[torch.Tensor], list[float], bool]:
+          model_fn=layers) -> tuple[list[torch.Tensor], list[float], bool]:
     """Two stages in one process, gpipe's order on stage 0 (every forward, then every backward: m microbatches in
     flight) and each microbatch's forward and backward together on stage 1; `order` swaps the backwards of the last
     step on stage 0 ("reversed")."""
-    (s0, s1), opt = pipeline(graphed, torch.device(device), left_out, model_fn)
+    device = torch.device("cuda")
+    (s0, s1), opt = pipeline(graphed, device, left_out, model_fn)
     g = torch.Generator().manual_seed(1)
     losses = []
     for step in range(steps):
@@ -268,6 +309,7 @@ def test_a_structured_message_and_a_gradient_left_none_keep_their_form_in_replay
     trees = []
     for step in range(3):
         hooks.begin_actions()
+        assert s0.captured == s1.captured == (step > 0)  # as the second step begins, before its first action
         out = s0.forward(0, x, global_mb=step)
         tree = s0.trees.pop(0)
         trees.append(tree)
@@ -275,7 +317,6 @@ def test_a_structured_message_and_a_gradient_left_none_keep_their_form_in_replay
         back = s1.backward(0, None)
         assert [type(t) for t in back] == [torch.Tensor, type(None)]  # "h" and "unused", in the dict's order
         s0.backward(0, back)
-        assert s0.captured == s1.captured == (step > 0)
     assert trees[0] is not None and trees[1] == trees[2] == trees[0]  # the replays send the eager step's structure
 
 
