@@ -76,7 +76,7 @@ class LayerCosts:
     copy_ms_per_byte: float = 0.0  # one copy of the weights (a stashed version), per byte (profile.copy_ms_per_byte)
     contention: float = 1.0  # the layers beside busy ranks over alone (profile.contention; price.contention_scale)
     shard_optimizer: bool = False  # a replicated stage's optimizer state split over its replicas (pipeflow/shard.py)
-    graphs: bool = False  # the ranks replay CUDA graphs (profile.timing "graphs"): CostModel.memory_bytes
+    graphs: bool = False  # the ranks replay CUDA graphs (profile.timing "graphs"): graph_bytes
 
     @classmethod
     def of(cls, forward_ms: Sequence[float], backward_ms: Sequence[float], output_bytes: Sequence[float],
@@ -115,6 +115,10 @@ class LayerCosts:
         if k is not None:
             nbytes = nbytes + self.output_bytes[np.asarray(k) - 1] * (np.asarray(k) < len(self))
         return np.asarray(nbytes)
+
+    def graph_bytes(self, i: np.ndarray | int, k: np.ndarray | int, local: np.ndarray | float) -> np.ndarray | float:
+        """Under CUDA graphs (graphs.py) the static inputs and outputs of [i, k)'s actions for `local` microbatches."""
+        return 2 * np.asarray(local) * self.port_bytes(i, k) if self.graphs else 0.0
 
 
 @dataclass
@@ -245,14 +249,11 @@ class CostModel:
     def memory_bytes(self, i: np.ndarray | int, j: np.ndarray | int, r: np.ndarray | int,
                      downstream: np.ndarray | int) -> np.ndarray:
         """Weights, gradients, optimizer state, stashed weight versions and in-flight activations; on the stage
-        of the last layer, the loss's memory too. Under CUDA graphs each action keeps its own static input and
-        output (pipeflow/graphs.py): every local microbatch's received activation and the gradient sent for it,
-        its output and the gradient received for it, twice the port's bytes."""
+        of the last layer, the loss's memory too; under CUDA graphs LayerCosts.graph_bytes of the local microbatches."""
         p, fl = self.P[j] - self.P[i], self.in_flight(downstream, r)
         states = OPTIMIZER_STATES[self.optimizer] / (np.asarray(r) if self.layers.shard_optimizer else 1)
         share = 1 / np.asarray(r) if self.layers.shard_optimizer else 1.0  # a deferred update's held gradient
-        graphs = 2 * self.share(r) * self.layers.port_bytes(i, j) if self.layers.graphs else 0.0
-        return (p * (2 + states + self.kind.stashed_versions(fl, share)) + graphs
+        return (p * (2 + states + self.kind.stashed_versions(fl, share)) + self.layers.graph_bytes(i, j, self.share(r))
                 + fl * (self.A[j] - self.A[i]) + self.layers.loss_bytes * (np.asarray(j) == self.num_layers))
 
     def outside(self, level: int) -> int:

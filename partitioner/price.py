@@ -89,9 +89,8 @@ def price(lay: LayerCosts, topology: Topology, schedule: str, microbatches: int,
 
     def run(scale: float) -> tuple[list[StageCost], SimResult]:
         costs = stage_costs(lay, topology, ranges, ranks, kind, scale=scale)
-        for s, ((a, b), rs) in enumerate(zip(ranges, ranks) if lay.graphs else []):  # CostModel.memory_bytes:
-            local = -(-microbatches // len(rs))  # each replayed action's static input and output (graphs.py)
-            costs[s].transient_bytes += 2 * local * float(lay.port_bytes(a, b))
+        for cost, (a, b), rs in zip(costs, ranges, ranks):  # under CUDA graphs, as CostModel.memory_bytes
+            cost.transient_bytes += float(lay.graph_bytes(a, b, -(-microbatches // len(rs))))
         for s, cost in enumerate(costs[:groups]):  # the runtime's own time per update (a rank's chunks together)
             # and the weight copies an update makes the asynchronous schedules keep (ScheduleKind.copies_per_update)
             cost.optimizer_ms += lay.update_ms + lay.copy_ms_per_byte * cost.parameter_bytes * kind.copies_per_update(

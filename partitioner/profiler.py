@@ -41,6 +41,12 @@ DEFAULT_TIMING = {False: "idle", True: "stage"}
 CUDA_TIMINGS = ("kernels", "graphs")  # --timing values that time CUDA kernels: refused on a CPU
 
 
+def check_timing_device(timing: str | None, device: str) -> None:
+    """A timing of CUDA kernels (CUDA_TIMINGS) needs --device cuda: ProfileError otherwise."""
+    if timing in CUDA_TIMINGS and device != "cuda":
+        raise ProfileError(f"--timing {timing} times CUDA kernels: it needs --device cuda, found {device}")
+
+
 def default_timing(device: torch.device) -> str:
     """--timing when not given: DEFAULT_TIMING of the device; on CUDA under PIPEFLOW_CUDA_GRAPHS=1 "graphs", the
     chain as a graph replays it (the ranks will replay theirs, pipeflow/graphs.py)."""
@@ -97,8 +103,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
         raise ProfileError(f"--rounds must be >= 1, found {rounds}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ProfileError("--device cuda, but torch sees no CUDA device; use --device cpu")
-    if timing in CUDA_TIMINGS and dev.type != "cuda":
-        raise ProfileError(f"--timing {timing} times CUDA kernels: it needs --device cuda, found {dev.type}")
+    check_timing_device(timing, dev.type)
     held = timing == "kernels"
     chained = timing in ("stage", "graphs")  # the layers timed as a stage runs them (chain.py)
     try:
@@ -233,9 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         sizes = _sizes(args.microbatch_size, args.microbatch_sizes)
-        if args.timing in CUDA_TIMINGS and args.device != "cuda":
-            raise ProfileError(f"--timing {args.timing} times CUDA kernels: it needs --device cuda, found "
-                               f"{args.device}")
+        check_timing_device(args.timing, args.device)  # before the model is built
         model_args = parse_model_args(args.model_args)
         try:
             spec = build_model(args.model, model_args, seed=args.seed)
