@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
+from partitioner.bands import WIDTH, Bands
 from partitioner.costmodel import INF, OPTIMIZER_STATES, SCHEDULES, CostModel, LayerCosts, PlanningError
 from partitioner.tree import LeafStage, Node, Solution, evaluate, flatten
 
@@ -21,7 +21,6 @@ from partitioner.tree import LeafStage, Node, Solution, evaluate, flatten
 __all__ = ["INF", "OPTIMIZER_STATES", "SCHEDULES", "CostModel", "LayerCosts", "LeafStage", "Node", "PlanningError",
            "Progress", "Solution", "Tables", "evaluate", "flatten", "solve", "tabulate"]
 
-_MINMAX_WIDTH = 32  # columns per block in _minmax: narrower blocks give narrower bands but more of them
 
 
 class Progress:
@@ -47,28 +46,31 @@ class _Level:
         self.model, self.level, self.inner = model, level, inner
         n, L = model.topology.levels[level].workers, model.num_layers
         self.n = n
-        # _MINMAX_WIDTH spare columns: _minmax reads whole blocks of columns past j = L.
-        best = np.full((n + 1, L + 1, L + 1 + _MINMAX_WIDTH), INF)
-        windows = sliding_window_view(best.reshape(-1), _MINMAX_WIDTH)  # a view: _minmax's rows of a block, made once
+        # WIDTH spare columns: Bands reads whole blocks of columns past j = L.
+        best = np.full((n + 1, L + 1, L + 1 + WIDTH), INF)
         rs = np.arange(1, n + 1, dtype=np.float64)[:, None]
-        # The rest [k, j) on w'' units costs at least its work spread evenly over their workers:
-        # m (C[j] - C[k]) / (w'' * unit workers) (a stage's busy time is unit * ceil(m / r) / m >= unit / r,
-        # and max over stages of work / workers >= total work / total workers).
-        self.work = model.microbatches * model.C
-        per_unit = float(model.topology.unit_size(level))
+        bands = Bands(best, model.microbatches * model.C, float(model.topology.unit_size(level)))
+        # Memory cuts a stage of r units differently for each w of the range (fit): then each w has its own left.
+        per_w = level == 0 and model.memory_per_worker is not None
         for i in range(L - 1, -1, -1):
             ks = np.arange(i + 1, L + 1)
             rows = model.stage_rows(level, i, ks, n, inner)
-            bounds = model.port_ms(i, ks[None, :-1], rs, level)
+            stages = [model.fit(level, i, ks, w, rows) for w in range(1, n + 1)]
             for w in range(1, n + 1):
-                stage = model.fit(level, i, ks, w, rows)
-                best[w, i, i + 1:L + 1] = stage[w - 1]  # one stage on all w units
-                if w > 1 and i + 1 < L:
-                    # First stage [i, k) on w' units, the rest [k, j) on w - w', for k in (i, L), j in (i + 1, L].
-                    left = np.maximum(stage[: w - 1, :-1], bounds[: w - 1])
-                    # Per w', a lower bound of the first stage's cost that never decreases with k (suffix min).
-                    base = np.minimum.accumulate(stage[: w - 1, :-1][:, ::-1], axis=1)[:, ::-1]
-                    _minmax(best, windows, w, i, left, base, self.work, rs[w - 2::-1, 0] * per_unit)
+                best[w, i, i + 1:L + 1] = stages[w - 1][w - 1]  # one stage on all w units
+            if n > 1 and i + 1 < L:
+                # First stage [i, k) on w' units, the rest [k, j) on w - w', for k in (i, L), j in (i + 1, L].
+                bounds = model.port_ms(i, ks[None, :-1], rs[:-1], level)
+                if per_w:
+                    left = np.full((n - 1, n - 1, L - i - 1), INF)
+                    for w in range(2, n + 1):
+                        left[w - 2, :w - 1] = np.maximum(stages[w - 1][: w - 1, :-1], bounds[: w - 1])
+                else:
+                    left = np.maximum(rows[:-1, :-1], bounds)
+                # Per w', a lower bound of the first stage's cost (of every w: memory only adds inf) that never
+                # decreases with k (suffix min).
+                base = np.minimum.accumulate(rows[:-1, :-1][:, ::-1], axis=1)[:, ::-1]
+                bands.minmax(i, left, base)
             if progress is not None:
                 progress.tick(level, L - i, L)
         self.best = best[:, :, :L + 1]
@@ -88,80 +90,6 @@ class _Level:
                 if max(left[w1 - 1, t], self.best[w - w1, k, j]) == target:
                     return [(i, int(k), w1), *self.trace(int(k), j, w - w1)]
         raise AssertionError(f"DP trace failed at level {self.level}, [{i}, {j}) on {w}")
-
-
-def _minmax(best: np.ndarray, windows: np.ndarray, w: int, i: int, left: np.ndarray, base: np.ndarray,
-            work: np.ndarray, workers: np.ndarray) -> None:
-    """best[w, i, j] = min(itself, min over (w', k) of max(left[w', k], best[w - w', k, j])) for j > i + 1.
-
-    Row t of left is the split k = i + 1 + t; w' = a + 1 for row a. Columns j are taken in blocks of
-    `width`, and only a band of rows per (w', block) can improve one: `base[a]` bounds left[a] from below
-    and never decreases with k, so rows with base >= the block's largest current value are cut; the rest
-    costs at least its work spread over its workers, (work[j] - work[k]) / workers[a] (`work` the prefix
-    sums of m * compute, `workers[a]` those of w - w' units), which never increases with k, so rows before
-    the first that can reach the current value of some column are cut. The bands, about a block wide, are
-    gathered in one go: O(L^2 n^2 width) per level in practice instead of O(L^3 n^2). A block with a
-    column still infinite (its one-stage plan over memory) cuts nothing: it is first seeded with the splits
-    next to the balanced one, where the two bounds meet."""
-    L1, width = best.shape[1], windows.shape[1]  # L + 1 rows; `windows`: best's every run of `width` values
-    n_a, n_k = left.shape
-    n_j = n_k  # columns j = i + 2 .. L, rows k = i + 1 .. L - 1
-    nb = -(-n_j // width)
-    out = np.full(nb * width, -INF)
-    out[:n_j] = best[w, i, i + 2:L1]
-    seg = out.reshape(nb, width)
-    ends = np.minimum(n_j, np.arange(1, nb + 1) * width)  # rows t <= column c: non-empty rests only
-    rows = work[i + 1:L1 - 1]
-    if np.isinf(seg.max(axis=1)).any():
-        total = workers[0] + workers[-1]  # w units' workers (workers[a] + those of a + 1 units, any a)
-        first_j = work[i + 2 + np.arange(nb) * width]
-        last_j = work[i + 1 + ends]
-        # The split where w' and w - w' units get work in proportion: work[k] = (w'' work[i] + w' work[j]) / w.
-        lo = np.maximum(np.searchsorted(rows, (workers[:, None] * work[i] + (total - workers[:, None])
-                                               * first_j[None, :]) / total) - 1, 0)
-        hi = np.minimum(np.searchsorted(rows, (workers[:, None] * work[i] + (total - workers[:, None])
-                                               * last_j[None, :]) / total) + 1, ends[None, :])
-        hi = np.where(np.isinf(seg.max(axis=1))[None, :], hi, 0)
-        _gather_min(best, windows, w, i, left, lo, hi, seg)
-    ub = seg.max(axis=1)
-    wk = np.full(nb * width, work[-1])
-    wk[:n_j] = work[i + 2:]
-    slack = 1e-12 * abs(float(work[-1]))  # the prefix sums' rounding
-    thr = (wk.reshape(1, nb, width) - seg[None] * (1 + 1e-9) * workers[:, None, None]).min(axis=2) - slack
-    lo = np.searchsorted(rows, thr.ravel(), side="right").reshape(n_a, nb)
-    hi = np.empty((n_a, nb), dtype=np.int64)
-    for a in range(n_a):
-        hi[a] = np.searchsorted(base[a], ub, side="left")
-    _gather_min(best, windows, w, i, left, lo, np.minimum(hi, ends[None, :]), seg)
-    best[w, i, i + 2:L1] = out[:n_j]
-
-
-def _gather_min(best: np.ndarray, windows: np.ndarray, w: int, i: int, left: np.ndarray, lo: np.ndarray,
-                hi: np.ndarray, seg: np.ndarray) -> None:
-    """seg[b] = min(seg[b], max(left[a, t], best[w - 1 - a, i + 1 + t, block b's columns])) over a and the
-    rows lo[a, b] <= t < hi[a, b], in place (_minmax's bands, gathered with one fancy index)."""
-    (L1, row), width = best.shape[1:], windows.shape[1]  # L + 1 rows, L + 1 + width columns
-    n_a, nb = lo.shape
-    cnt = np.maximum(hi - lo, 0).T.ravel()  # segments ordered by block, then w'
-    total = int(cnt.sum())
-    if total == 0:
-        return
-    # Per segment (block b, w' = a + 1): where its first row starts in `best` and in `left`, less its offset in
-    # the gathered list, so that each gathered row's index is that plus its position (few numpy calls a segment).
-    shift = lo.T.ravel() - (np.cumsum(cnt) - cnt)
-    a_of = np.arange(n_a * nb) % n_a
-    in_best = ((w - 1 - a_of) * L1 + i + 1 + shift) * row + (i + 2) + np.repeat(np.arange(nb), n_a) * width
-    in_left = a_of * left.shape[1] + shift
-    sel = np.repeat(np.arange(len(cnt)), cnt)
-    pos = np.arange(total)
-    vals = windows[in_best[sel] + pos * row]  # rows of `width` columns, copied
-    np.maximum(vals, left.reshape(-1)[in_left[sel] + pos][:, None], out=vals)
-    per_block = cnt.reshape(nb, n_a).sum(axis=1)
-    some = np.nonzero(per_block)[0]
-    firsts = (np.cumsum(per_block) - per_block)[some]
-    red = np.minimum.reduceat(vals, firsts, axis=0)
-    np.minimum(seg[some], red, out=red)
-    seg[some] = red
 
 
 @dataclass

@@ -11,6 +11,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
+from partitioner import bands
 from partitioner.planner import (
     INF,
     CostModel,
@@ -334,10 +335,16 @@ def naive_level(model: CostModel, level: int, inner: np.ndarray | None) -> np.nd
     return best
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_banded_inner_table_equals_the_recurrence(seed: int) -> None:
-    """_minmax cuts rows by two bounds and gathers column blocks: on ranges over two blocks long (with layers
-    of no compute, where the bounds tie) the table equals the plain recurrence exactly."""
+@pytest.mark.parametrize("seed, pieces", [(s, p) for s in range(6) for p in ("as shipped", "small", "guessed low")])
+def test_banded_inner_table_equals_the_recurrence(seed: int, pieces: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bands (partitioner/bands.py) cut rows by two bounds and gather column blocks of every w at once: on ranges
+    over two blocks long (with layers of no compute, where the bounds tie) the table equals the plain
+    recurrence exactly. Also gathered in pieces of a few rows, and with every first cap guessed below the
+    optimum (each block then gathers the rows its first band left out)."""
+    if pieces == "small":
+        monkeypatch.setattr(bands, "CHUNK_ROWS", 5)
+    if pieces == "guessed low":
+        monkeypatch.setattr(bands, "GUESS_SLACK", -0.5)
     rng = np.random.default_rng(seed)
     n_layers = 72
     f = rng.uniform(0, 3, n_layers) * (rng.random(n_layers) > 0.25)
