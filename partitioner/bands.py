@@ -124,8 +124,8 @@ class Bands:
             return
         # Per cell (pair and block): where its first row starts in `best` and in `left`, less its offset in the
         # gathered list, so that each gathered row's index is that plus its position (few numpy calls in all).
-        ends = np.cumsum(cnt)
-        shift = lo.ravel()[order] - (ends - cnt)
+        through = np.cumsum(cnt)  # rows through each cell
+        shift = lo.ravel()[order] - (through - cnt)
         in_best = ((sw + 1 - sa) * L1 + i + 1 + shift) * row + (i + 2) + sb * width
         n_a, n_k = left.shape[-2:]
         in_left = (sw * n_a + sa if left.ndim == 3 else sa) * n_k + shift
