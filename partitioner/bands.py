@@ -8,7 +8,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from partitioner.costmodel import INF
 
 WIDTH = 32  # columns per block: narrower blocks give narrower bands but more rows
-GUESS_SLACK = 0.01  # Bands.minmax's first caps: the guesses grown by this much
+GUESS_SLACK = 0.01  # Bands.minmax's first caps: the guesses grown by this much (any value above -1)
 CHUNK_ROWS = 400  # rows of WIDTH columns gathered at once (Bands._gather_min): 100 KiB, in a core's cache
 SMALL = 12_000  # values in a temporary: 96 KiB, below malloc's mmap threshold (128 KiB)
 
@@ -28,8 +28,8 @@ class Bands:
     all end at most at their caps is exact, since every row cut could only reach its cap; the other blocks
     then gather the rows that the bands of their own values add. The bands, about a block wide, are gathered
     in pieces of CHUNK_ROWS rows: O(L^2 n^2 width) per level in practice instead of O(L^3 n^2). A block
-    with a column still infinite (its one-stage plan over memory) cuts nothing: it is first seeded with the
-    splits next to the balanced one, where the two bounds meet."""
+    with a column still infinite (its one-stage plan over memory) would cut nothing by its own value: it is
+    first seeded with the splits next to the balanced one, where the two bounds meet."""
 
     def __init__(self, best: np.ndarray, work: np.ndarray, per_unit: float) -> None:
         self.best, self.work = best, work
@@ -71,8 +71,8 @@ class Bands:
         # the others then gather the rows left out by the bands of their own values.
         grow = work[i + 2:] - work[i + 1]
         guess = np.full((self.n1, nb * width), INF)
-        np.multiply(best[2:, i + 1, i + 2:L1], (1 + GUESS_SLACK) * (work[i + 2:] - work[i]) / np.maximum(grow, 1e-300),
-                    out=guess[:, :n_j], where=grow > 0)
+        ratio = np.divide(work[i + 2:] - work[i], grow, out=np.ones(n_j), where=grow > 0)
+        np.multiply(best[2:, i + 1, i + 2:L1], (1 + GUESS_SLACK) * ratio, out=guess[:, :n_j], where=grow > 0)
         cap = np.minimum(seg, guess.reshape(seg.shape))
         lo, hi = self._band(i, cap, base, ends)
         self._gather_min(i, left, lo, hi, seg)

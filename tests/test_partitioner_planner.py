@@ -11,7 +11,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from partitioner import bands
+from partitioner import bands, planner
 from partitioner.planner import (
     INF,
     CostModel,
@@ -333,6 +333,40 @@ def naive_level(model: CostModel, level: int, inner: np.ndarray | None) -> np.nd
                         cand = min(cand, float(np.maximum(left[w1 - 1], best[w - w1, i + 1:j, j]).min()))
                 best[w, i, j] = cand
     return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_bands_equal_the_recurrence_on_edge_cases(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random small cases at the edges: 1 to 20 layers, compute all zero, tied or spanning 12 orders of magnitude,
+    one or two units at a level, three levels, every schedule, --straight, memory limits that leave few stages or
+    none, and the bands' knobs (block width, piece size, first guess, temporaries' size) at their extremes: the
+    inner tables equal the plain recurrence exactly."""
+    rng = random.Random(seed)
+    n_layers = rng.choice([1, 2, 3, rng.randint(4, 20)])
+    f = {"zero": [0.0] * n_layers, "ties": [float(rng.choice([0, 1, 2])) for _ in range(n_layers)],
+         "wide": [10 ** rng.uniform(-6, 6) for _ in range(n_layers)],
+         "uniform": [rng.uniform(0, 3) for _ in range(n_layers)]}[rng.choice(["zero", "ties", "wide", "uniform"])]
+    lay = LayerCosts.of(f, [2 * x for x in f], [float(rng.choice([0, 1e5, 1e7])) for _ in range(n_layers)],
+                        [rng.uniform(0, 1e6) for _ in range(n_layers)],
+                        [float(rng.choice([0, 1e6, 1e7])) for _ in range(n_layers)], loss_ms=rng.choice([0.0, 1.0]))
+    topo = Topology.parse(rng.choice(["2x10GB/s", "1x10GB/s,3x1GB/s", "2x10GB/s,2x1GB/s", "6x10GB/s,1x1GB/s",
+                                      "4x100GB/s,3x10GB/s,2x1GB/s", "1x100GB/s,1x10GB/s,3x1GB/s"]))
+    model = CostModel(lay, topo, rng.choice(["1f1b", "gpipe", "async", "2bw"]), rng.randint(1, 12), "adam", None,
+                      rng.random() < 0.2)
+    limit = rng.choice([None, None, 1.0, "some"])
+    if limit == "some":  # between the memories of a few stages: many of them over it
+        sample = [float(model.memory_bytes(i, rng.randint(i + 1, n_layers), 1, topo.workers))
+                  for i in (rng.randrange(n_layers) for _ in range(20))]
+        limit = float(np.quantile(sample, 0.5)) or 1.0
+    model = replace(model, memory_per_worker=limit)
+    monkeypatch.setattr(planner, "WIDTH", rng.choice([1, 2, 3, 32]))
+    monkeypatch.setattr(bands, "CHUNK_ROWS", rng.choice([1, 3, 400]))
+    monkeypatch.setattr(bands, "GUESS_SLACK", rng.choice([-0.9, 0.0, 0.01, 10.0]))
+    monkeypatch.setattr(bands, "SMALL", rng.choice([1, 12_000]))
+    inner = None
+    for level, got in enumerate(tabulate(model).levels):
+        np.testing.assert_array_equal(got.best, naive_level(model, level, inner))
+        inner = got.table()
 
 
 @pytest.mark.parametrize("seed, pieces", [(s, p) for s in range(6) for p in ("as shipped", "small", "guessed low")])
