@@ -12,9 +12,10 @@ steady-state samples/s it logs, steps 3 on, give the measured step time m * b / 
 average is printed before and after: on a shared machine the measured times are not the model's.
 
 First, once, the runtime's own costs on this machine are calibrated (partitioner/calibrate.py) from traced
-runs of the first case, a straight pipeline and data parallelism read together (`calibrate --also`), the
-median of --runs pairs: `action_ms` and `layer_ms` (the pipeline's ranks hold half the layers of the
-data-parallel ones: a cost per layer call, dispatch, is told from a cost per action), `message_ms`,
+runs of the first case, a straight pipeline and data parallelism, and a straight pipeline of CONTRAST, a model
+whose stages hold half the layers of the first case's, read together (`calibrate --also`), the median of --runs
+readings: `action_ms` and `layer_ms` (ranks holding 2, 4 and 8 layers: a cost per layer call, dispatch, is told
+from a cost per action; `--no-contrast` leaves CONTRAST out, as before 2026-11-28), `message_ms`,
 `latency_ms`, `step_gap_ms` and `link_bandwidth` (the all-reduce between ranks). Every case is then planned
 twice, from its profile as pipeflow-profile wrote it ("profile only") and with the calibrated numbers added
 ("calibrated"), and trained on the calibrated plan.
@@ -114,10 +115,16 @@ def _train(model: str, args: dict[str, object], workers: int, b: int, m: int, st
     return m * b / float(found[-1]) * 1e3
 
 
-def calibration(tmp: Path, runs: int, updates: bool = False) -> dict[str, float]:
+# Unless --no-contrast: a model whose straight stages hold half the layers of the first case's (two against
+# four), traced too, so that the calibration's fit tells a cost per layer call from one per action.
+CONTRAST = ("mlp", {"layers": 4, "hidden": 768}, 32)
+
+
+def calibration(tmp: Path, runs: int, updates: bool = False, contrast: bool = True) -> dict[str, float]:
     """The runtime's costs from traced runs of the first case as a straight pipeline (every stage sends) and as
-    data parallelism (link_bandwidth: the all-reduce between ranks), each pair read together (action_ms and
-    layer_ms apart): each number the median of `runs` pairs (one run's reading moved by ±25 % between runs on
+    data parallelism (link_bandwidth: the all-reduce between ranks) and, with `contrast`, of CONTRAST as a straight
+    pipeline, each run's traces read together (action_ms and layer_ms apart: ranks of 2, 4 and 8 layers): each
+    number the median of `runs` readings (one run's reading moved by ±25 % between runs on
     this machine); `update_ms`, an update's time beyond the profiled optimizer step, from the pipeline's STEP
     spans. With `updates`, a straight async run of it is traced and read too, and `update_ms` comes from it
     (async updates after every backward)."""
@@ -133,15 +140,27 @@ def calibration(tmp: Path, runs: int, updates: bool = False) -> dict[str, float]
         run([py, "-m", "partitioner.cli", "profile.json", "--workers", str(workers), "--schedule", "async",
              "--microbatches", str(m), "--straight", "-o", "async.json"], tmp)
         plans.append("async.json")
+    if contrast:
+        c = tmp / "contrast"
+        c.mkdir()
+        profile(CONTRAST[0], CONTRAST[1], CONTRAST[2], workers if CONCURRENT else 1, c)
+        run([py, "-m", "partitioner.cli", "profile.json", "--workers", str(workers), "--schedule", schedule,
+             "--microbatches", str(m), "--straight", "-o", "straight.json"], c)
     readings: dict[str, list[float]] = {}
     for k in range(runs):
         for plan in plans:
             (tmp / f"trace-{plan}").unlink(missing_ok=True)  # a resumed trace appends: each run its own
             train(model, args, workers, b, m, steps, plan, tmp, "--trace", f"trace-{plan}")
         also = [x for plan in plans[1:] for x in ("--also", "profile.json", plan, f"trace-{plan}")]
+        if contrast:
+            (tmp / "contrast" / "trace.json").unlink(missing_ok=True)
+            train(CONTRAST[0], CONTRAST[1], workers, CONTRAST[2], m, steps, "straight.json", tmp / "contrast",
+                  "--trace", "trace.json")
+            also += ["--also", "contrast/profile.json", "contrast/straight.json", "contrast/trace.json"]
         out = run([py, "-m", "partitioner.calibrate", "profile.json", "straight.json", "trace-straight.json", *also,
                    "-o", "calibrated.json"], tmp)
-        print(f"# calibration {k + 1} ({model} {json.dumps(args)}, {schedule}, straight and data-parallel, traced): "
+        print(f"# calibration {k + 1} ({model} {json.dumps(args)}, {schedule}, straight and data-parallel"
+              f"{', and ' + CONTRAST[0] + ' ' + json.dumps(CONTRAST[1]) + ' straight' if contrast else ''}, traced): "
               f"{out.strip()}", flush=True)
         got = json.loads((tmp / "calibrated.json").read_text())
         for key in CALIBRATED:
@@ -208,12 +227,15 @@ def main() -> None:
                    help="pipeflow-profile --timing for every profile (stage: each layer inside the chain)")
     p.add_argument("--schedule", default=None, help="every case under this schedule (async: the calibration also "
                                                     "traces an async run, for the time per update)")
+    p.add_argument("--no-contrast", dest="contrast", action="store_false",
+                   help="calibrate from the first case's model alone (before 2026-11-28), not also from CONTRAST, a "
+                        "model of half the layers per stage that tells a cost per layer call from one per action")
     a = p.parse_args()
     global CONCURRENT, TIMING
     CONCURRENT, TIMING = a.concurrent_profile, a.timing
     print(f"# load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory() as d:
-        runtime = calibration(Path(d), a.runs, updates=a.schedule == "async")
+        runtime = calibration(Path(d), a.runs, updates=a.schedule == "async", contrast=a.contrast)
     if a.global_batch is not None:
         global_batch(runtime, a.global_batch, [int(x) for x in a.sizes.split(",")], a.runs)
         return
