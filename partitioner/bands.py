@@ -1,5 +1,8 @@
-"""The inner levels' banded min-max (planner._Level): for one first layer i, every range end j and every w of a
-level at once, the best split of [i, j) into a first stage on w' units and the rest on w - w', pure numpy."""
+"""The inner levels' banded min-max (planner._Level), every unit count of a first layer at once; pure numpy.
+
+For one first layer i, every range end j and every w of a level: the best split of [i, j) into a first stage on
+w' units and the rest on w - w' units (the recurrence of PipeDream SOSP'19 §3.1, exactly, with rows cut by bounds).
+"""
 from __future__ import annotations
 
 import numpy as np
