@@ -190,8 +190,9 @@ class CostModel:
         # beside the last backward, or under the whole next minibatch (2bw's deferred update, update.py)
         late = self.kind.reduce_waits_a_step(last, self.layers.shard_optimizer)
         exposed = np.maximum(0.0, self.allreduce_ms(p, r, level) - np.where(late, busy, b))
-        if level == 0:
-            exposed = exposed + self.update_ms(p, r, level, last=last)
+        if level == 0:  # a sharded update's exchange lands under the next forward (update_ms)
+            exposed = exposed + self.update_ms(p, r, level, last=last, forward_ms=self.stage_compute_ms(i, k) - b,
+                                               layers=np.asarray(k) - i)
         if self.kind.flush and level == len(self.topology.levels) - 1:
             out = self._flushed(busy, i, k, r, b, exposed)
         else:
@@ -202,20 +203,19 @@ class CostModel:
             out = np.where(np.asarray(r) <= self.microbatches, out, INF)
         return out
 
-    def update_ms(self, p: np.ndarray | float, r: np.ndarray | float, level: int,
-                  last: np.ndarray | bool = False) -> np.ndarray:
+    def update_ms(self, p: np.ndarray | float, r: np.ndarray | float, level: int, last: np.ndarray | bool = False,
+                  forward_ms: np.ndarray | float = 0.0, layers: np.ndarray | int = 1) -> np.ndarray:
         """One update of p parameter bytes on r units of `level`: the step over p, or with a sharded optimizer a
         1/r share of it (each replica's, at most as many as the topology's groups of this level hold) and the
-        broadcast of the other (r - 1)/r of the weights where it does not overlap the next minibatch (2bw's
-        stages but the `last`, ScheduleKind.broadcast_overlaps; pipeflow/shard.py; outer levels' share: the
-        simulator). The exchange of the owners' weights is priced as an all-reduce of them, 2 (r - 1)/r p / bw: it
-        moves half the bytes, but NCCL's point-to-point reached half its all-reduce's bandwidth (2 x H200, 2.68 GB)."""
+        exchange of the other (r - 1)/r of the weights (outer levels' share: the simulator), what of it is exposed
+        (ScheduleKind.exchange_exposed_ms) and priced as an all-reduce of them, 2 (r - 1)/r p / bw: it moves half
+        the bytes, but NCCL's point-to-point reached half its all-reduce's bandwidth (2 x H200, 2.68 GB)."""
         lay = self.layers
         if not lay.shard_optimizer:
             return np.asarray(lay.optimizer_ms_per_byte * p + lay.update_ms)
         r = np.asarray(r, dtype=np.float64)
         most = r * (self.topology.workers // self.topology.unit_size(level + 1))
-        sent = np.where(self.kind.broadcast_overlaps(np.asarray(last)), 0.0, self.allreduce_ms(p, r, level))
+        sent = self.kind.exchange_exposed_ms(self.allreduce_ms(p, r, level), last, forward_ms, layers)
         return lay.optimizer_ms_per_byte * p / most + lay.update_ms + sent
 
     def _flushed(self, busy: np.ndarray, i: np.ndarray | int, k: np.ndarray | int, r: np.ndarray | float,

@@ -44,8 +44,8 @@ def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int,
     replicas span, the optimizer step. send_ms is for the table: one message at the bandwidth
     between the first replicas of this stage and the next (the simulator prices every pair itself). `scale`
     multiplies the layers' and the loss's times (contention_scale). With lay.shard_optimizer an update is a 1/r
-    share of the step, then the others' weights where they do not travel under the next minibatch (the schedule
-    `kind`'s broadcast_overlaps), and the all-reduce waits a STEP where kind.reduce_waits_a_step says so."""
+    share of the step, then what the others' weights keep waiting (the schedule `kind`'s exchange_exposed_ms), and
+    the all-reduce waits a STEP where kind.reduce_waits_a_step says so."""
     L, out = len(lay), []
     for t, ((a, b), rs) in enumerate(zip(ranges, ranks)):
         p = float(lay.parameter_bytes[a:b].sum())
@@ -60,7 +60,7 @@ def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int,
         weight = 0.0 if lay.backward_weight_ms is None else scale * float(lay.backward_weight_ms[a:b].sum())
         share = 1.0 / len(rs) if lay.shard_optimizer else 1.0  # --shard-optimizer: a 1/r share of the update,
         update = lay.optimizer_ms_per_byte * p * share + (  # then the owners' exchange, priced as the all-reduce
-            ar if lay.shard_optimizer and not kind.broadcast_overlaps(b == L) else 0.0)  # (costmodel.update_ms: why)
+            float(kind.exchange_exposed_ms(ar, b == L, fwd, b - a)) if lay.shard_optimizer else 0.0)  # (update_ms)
         out.append(StageCost(fwd, scale * float(lay.backward_ms[a:b].sum()) + float(extra_b), send, ar, p,
                              float(lay.activation_bytes[a:b].sum()), update, nbytes, weight,
                              lay.latency_ms, lay.message_ms, lay.loss_bytes if b == L else 0.0, share,

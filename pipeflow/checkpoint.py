@@ -127,6 +127,9 @@ def stage_payload(engine: Any, step: int, run_info: dict[str, Any], k: int | Non
     """The file of model stage `k` (default: the rank's first chunk): its weights and optimizer state (`optimizer`:
     as sharded_states gathered it), and the rank's RNG state (the same in every file of the rank)."""
     k = engine.s if k is None else k
+    shard = getattr(engine, "shard", None)
+    if shard is not None:  # the weights of a sharded update in place (shard.py: they land under the next forward)
+        shard.finish()
     chunk = chunks(engine)[k]
     a, b = chunk_layers(chunk)
     rng: dict[str, Any] = {"torch": torch.get_rng_state()}

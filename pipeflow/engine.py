@@ -10,12 +10,13 @@ import torch
 
 from partitioner.plan import Plan
 from pipeflow.clip import grad_clip
-from pipeflow.comm import P2P, World, all_reduce
+from pipeflow.comm import P2P, World
 from pipeflow.gradients import recv_grads, send_grads, signature_of
 from pipeflow.graphs import make_stages, weight_hooks
-from pipeflow.hooks import Feed, GateFactory, StepGate, Timer, Timing, WeightHooks
+from pipeflow.hooks import Feed, GateFactory, StepGate, Timer, Timing, WeightHooks, WeightPolicy
 from pipeflow.kinds import Weights, schedule_kind
 from pipeflow.links import arm_points, make_links, make_reducers, reduce_late, send_window, tied_async_error
+from pipeflow.lossmean import mean_loss
 from pipeflow.lrsched import LrSchedule, scheduled_lr
 from pipeflow.receives import ForwardReceives
 from pipeflow.reduce import find_ties
@@ -53,8 +54,7 @@ class Engine:
         self.stage = self.stages[self.s]  # the first (with one stage per rank, the only) chunk here
         self.split = Kind.W if self.kind.split_backward else Kind.B  # zero bubble: B defers weight GEMMs to W
         fuse = gemm_accumulation(planned=plan.accumulation)  # PIPEFLOW_GRAD_ACCUM, else the plan's choice
-        linears = sum(len(c.linear_backward(split=self.kind.split_backward, fuse=fuse)) for c in self.stages.values())
-        for line in linear_notes(linears, split=self.kind.split_backward, fuse=fuse):
+        for line in linear_notes(self.stages.values(), split=self.kind.split_backward, fuse=fuse):
             log.info("%s: %s", schedule, line)
         self._parameters = list({id(p): p for c in self.stages.values() for p in c.parameters()}.values())  # fixed
         self.flush, self.vertical_sync = self.kind.flush, vertical_sync
@@ -80,6 +80,8 @@ class Engine:
         if self.kind.weights is not Weights.LIVE:
             self._new_policy()
         last, deferred = self.s == self.S - 1, isinstance(self.policy, LiveWeights)  # deferred: 2bw's last stage
+        if self.shard is not None and (type(self.policy) is WeightPolicy or deferred):  # live weights, no graphs
+            self.shard.arm([layer for c in self.stages.values() for layer in c.module])  # landing under forwards
         late = (deferred and clip_norm is None and reduce_late()  # clip.py: the norm of a final gradient
                 and self.kind.reduce_waits_a_step(last, self.shard is not None))
         self.tie_reducers, self.reducers = make_reducers(self.stages, self.ties, links, st.ranks, self.kind,
@@ -126,15 +128,12 @@ class Engine:
         self.mb_offset = first_step * self.m
         self._new_policy()
 
-    def rank_of(self, worker: int) -> int:
-        s, r = self.sched.workers[worker]
-        return self.plan.stages[s].ranks[r]
-
     def _peer(self, a: Action) -> int:
         """The rank on the other end of a transfer action, cached per (kind, stage, microbatch) of this list."""
         key = (a.kind, a.stage, a.microbatch)
         if key not in self._peers:
-            self._peers[key] = self.rank_of(self.sched.peer(self.worker, a))
+            s, r = self.sched.workers[self.sched.peer(self.worker, a)]
+            self._peers[key] = self.plan.stages[s].ranks[r]
         return self._peers[key]
 
     def global_mb(self, step: int, i: int) -> int:
@@ -285,11 +284,8 @@ class Engine:
         rank that owns the loss (last stage, replica 0), None elsewhere; reads the device (call it to report)."""
         if not self.holds_last:
             return None
-        local = torch.stack(self.losses).sum() if self.losses else torch.zeros((), device=self.world.device)
-        self.losses, self._step_losses = [], 0
-        if self.loss_group is not None:
-            all_reduce(local, self.loss_group)
-        return float(local) / count if self.r == 0 else None
+        losses, self.losses, self._step_losses = self.losses, [], 0
+        return mean_loss(losses, count, self.loss_group, self.world.device, owner=self.r == 0)
 
     @property
     def owns_loss(self) -> bool:
@@ -297,4 +293,5 @@ class Engine:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's weights under the model-wide keys of nn.Sequential(*spec.layers) ("3.weight")."""
+        self.update.settle()  # a sharded update's exchange, landing under the next forward (shard.py), in place
         return {k: v for c in self.stages.values() for k, v in c.model_state_dict().items()}

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pipeflow.comm import all_reduce
 from pipeflow.hooks import Feed
+from pipeflow.lossmean import mean_loss
 
 if TYPE_CHECKING:
     from pipeflow.engine import Engine
@@ -83,7 +83,4 @@ def evaluate(engine: Engine, data: Feed, first: int) -> float | None:
     p2p.wait_sends()  # nothing of the evaluation left in flight when training goes on
     if not engine.holds_last:
         return None
-    local = torch.stack(losses).sum() if losses else torch.zeros((), device=engine.world.device)
-    if engine.loss_group is not None:  # the last stage's replicas each hold their microbatches' losses
-        all_reduce(local, engine.loss_group)
-    return float(local) / engine.m if engine.owns_loss else None
+    return mean_loss(losses, engine.m, engine.loss_group, engine.world.device, owner=engine.owns_loss)

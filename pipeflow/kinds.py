@@ -110,12 +110,10 @@ class ScheduleKind:
 
     def stashed_versions(self, in_flight: Any, share: Any = 1.0) -> Any:
         """Copies of the weights kept beside the live ones at peak (memory model), for `in_flight` microbatches
-        (a count or an array of them), as pipeflow/stash.py's VersionBook holds them. A forward whose backward
-        comes after an update runs on a copy, taken before that forward: async holds one per microbatch in
-        flight, none on the last stage (each backward follows its forward); 2bw two where forwards run ahead
-        (the older version, still used by the minibatch's last backwards, and a copy of the live one for the
-        next minibatch's first forwards) and, on its last stage and data parallelism, no copy but the gradient
-        its deferred update holds (pipeflow/update.py): the optimizer's `share` of the weights' bytes."""
+        (a count or an array), as stash.py's VersionBook holds them. A forward whose backward comes after an update
+        runs on a copy taken before it: async one per microbatch in flight, none on the last stage; 2bw two where
+        forwards run ahead (the older version, for the minibatch's last backwards, and a copy of the live one for
+        the next minibatch's first forwards), else the gradient its deferred update holds (update.py): `share`."""
         if self.weights is Weights.STASH:
             return in_flight * (in_flight > 1)
         if self.weights is Weights.DOUBLE_BUFFER:
@@ -123,32 +121,33 @@ class ScheduleKind:
         return 0
 
     def broadcast_overlaps(self, last: Any) -> Any:
-        """--shard-optimizer (shard.py), a stage that is (`last`, bool or array) the model's last or not: the owners'
-        new weights travel under the next minibatch where 2bw runs it on a stashed version (every stage but the
-        last, landing before the warm-up forwards after it copy the live weights); else in the STEP."""
+        """--shard-optimizer (shard.py), on the model's `last` stage or not (bool or array): the owners' weights
+        travel under the next minibatch where 2bw runs it on a stashed version (every stage but the last)."""
         return (self.weights is Weights.DOUBLE_BUFFER) & (last == 0)
+
+    def exchange_exposed_ms(self, exchange_ms: Any, last: Any, forward_ms: Any, layers: Any) -> Any:
+        """--shard-optimizer: what of the owners' exchange a stage waits for: none where it overlaps, all (async's
+        STEP), else the first layer's share or what outlasts one forward (shard.ShardedUpdate.arm: layer by layer)."""
+        first, rest = exchange_ms / layers, exchange_ms - forward_ms  # (floats or numpy arrays: the larger below)
+        waits = exchange_ms if self.step_per_backward else (first + rest + abs(first - rest)) / 2
+        return waits * (self.broadcast_overlaps(last) == 0)
 
     def reduce_waits_a_step(self, last: Any, sharded: Any) -> Any:
         """The replicas' all-reduce launched at a STEP, completed at the next (under the next minibatch) where 2bw
-        defers an unsharded update (its last stage, data parallelism: pipeflow/update.py); else in the backward."""
+        defers an unsharded update (its last stage, data parallelism: update.py); else in the backward."""
         return (self.weights is Weights.DOUBLE_BUFFER) & (last != 0) & (sharded == 0)
 
     def copies_per_update(self, replicas: Sequence[int], stage: int) -> int:
-        """Weight copies `stage` takes per optimizer update in the steady state (pipeflow/stash.py's VersionBook):
-        one where forwards run ahead of their backwards (async: the version a later backward needs, which the
-        update overwrites; 2bw: once per minibatch), none on the last stage (2bw defers its update instead,
-        pipeflow/update.py); the flush schedules none."""
+        """Weight copies `stage` takes per optimizer update in the steady state (stash.py's VersionBook): one where
+        forwards run ahead of their backwards (async: the version a later backward needs; 2bw: once per minibatch),
+        none on the last stage (2bw defers its update instead, update.py) and under the flush schedules."""
         if self.weights is Weights.LIVE:
             return 0
         return int(warmup_forwards(replicas, stage) > 0)
 
     def violation(self, m: int, replicas: Sequence[int], warmup: Sequence[int] | None = None) -> str | None:
-        """Why this schedule cannot run stages with these replica counts at m microbatches (None: it can).
-        async: a step per microbatch on every replica, all-reduced, so each replica runs as many: replicas
-        divide m. 2bw (PipeDream-2BW §3.1): every replica owns a share of each minibatch (m >= replicas), and
-        the share covers the replica's warm-up forwards (`warmup` per stage, None: the schedule's own), so that
-        a minibatch's first forward never needs the update of the minibatch before it: m // r_s >= w_s, which
-        is m >= S - 1 without replicas."""
+        """Why this schedule cannot run these replica counts at m microbatches (None: it can): async's replicas divide
+        m (each steps as often); 2bw (PipeDream-2BW §3.1): m >= r_s and m // r_s >= w_s, the warm-up (`warmup`)."""
         reps = list(replicas)
         if self.replicas_divide_m and any(m % r for r in reps):
             return (f"{self.name} needs every stage's replica count to divide the microbatches per step, found "

@@ -7,6 +7,14 @@ sends the new weights to the other replicas (large tensors in place, the others 
 (SGD, Adam, AdamW: what pipeflow-train builds) compute each parameter's update from its own gradient and state
 alone, so the weights are the same as without sharding, bit for bit. Checkpoints gather the state back
 (checkpoint.py), so a file holds every parameter's state either way.
+
+Where the next forward reads the live weights (flush schedules; 2bw's deferred updates, update.py), the owners'
+weights land layer by layer under it (`arm`): the exchange is split into chunks in the layers' order, each its own
+batch, and a forward pre-hook on each layer waits for the chunks up to its own (on a GPU the stream waits, not the
+host), as ZeRO/FSDP prefetch a layer's parameters. The exchange of step k then runs beside the first forward of
+step k + 1 instead of in its STEP (2 x H200: about 7.5 ms a step for the 2.68 GB GPT, section "Sharded weights
+landing layer by layer" of benchmarks/gpu/README.md). Everything else that reads the weights lands them all first
+(`finish`: Engine.state_dict, checkpoints, the next STEP, a segment's end, closing).
 """
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ from pipeflow.tensorops import LARGE  # elements from which a tensor is sent alo
 log = logging.getLogger(__name__)
 
 BUCKET_BYTES = 64 << 20  # bytes per bucket of small tensors sent: bounds the flat buffer each one needs
+CHUNK_BYTES = 32 << 20  # armed: consecutive layers share a chunk until it holds this many bytes
 
 
 def owners(sizes: Sequence[int], replicas: int) -> list[int]:
@@ -63,8 +72,12 @@ class ShardedUpdate:
         self.owned = [p for p, q in zip(self.params, self.owner) if q == replica]
         self.group: Any = None
         self.ranks: list[int] = []
-        self.works: list[Any] = []  # the transfers in flight
-        self.pending: list[tuple[torch.Tensor, list[nn.Parameter]]] = []  # bucket buffers, parameters to unpack
+        self.chunk = [0] * len(self.params)  # the chunk each parameter travels in (one, until `arm`)
+        self.armed = False
+        # per chunk in flight, in the layers' order: its transfers' works and its bucket buffers with the parameters
+        # to unpack them into; `landed` of them are in place
+        self.inflight: list[tuple[list[Any], list[tuple[torch.Tensor, list[nn.Parameter]]]]] = []
+        self.landed = 0
 
     @property
     def complete(self) -> bool:
@@ -79,51 +92,88 @@ class ShardedUpdate:
         log.info("optimizer sharded over %d replicas: this rank updates %d of the stage's %d parameter bytes",
                  self.replicas, mine, total)
 
+    def arm(self, layers: Sequence[nn.Module]) -> None:
+        """Land the owners' weights layer by layer under the next forward (module docstring): `layers` in the order
+        their forwards run, consecutive ones sharing a chunk until it holds CHUNK_BYTES; each layer's forward
+        pre-hook lands the chunks up to the one holding its parameters. A parameter found in no layer travels in
+        the first chunk; one found in several (tied) in that of the first."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        chunk = [-1] * len(self.params)
+        current, size = 0, 0
+        for layer in layers:
+            mine = [index[id(p)] for p in layer.parameters() if id(p) in index and chunk[index[id(p)]] < 0]
+            if not mine:
+                continue
+            for i in mine:
+                chunk[i] = current
+                size += self.params[i].numel() * self.params[i].element_size()
+            layer.register_forward_pre_hook(lambda _m, _a, c=current: self.land(c))
+            if size >= CHUNK_BYTES:
+                current, size = current + 1, 0
+        self.chunk = [max(c, 0) for c in chunk]
+        self.armed = True
+        log.info("the owners' weights land layer by layer under the next forward, in %d chunk(s)", max(self.chunk) + 1)
+
     def broadcast(self, *, defer: bool = False) -> None:
-        """Each owner's parameters to the other replicas, all owners at once, as one batched exchange (every member
-        lists the same transfers, so each pair's match in order): a tensor of at least LARGE elements in place (no
-        buffer), the rest in buckets of one dtype of at most BUCKET_BYTES, each sent by its owner to every other
-        replica. Before 2026-11-27 (late morning) these were broadcasts, one owner after another on one
+        """Each owner's parameters to the other replicas, all owners at once, as one batched exchange per chunk
+        (every member lists the same transfers, so each pair's match in order): a tensor of at least LARGE elements
+        in place (no buffer), the rest in buckets of one dtype of at most BUCKET_BYTES, each sent by its owner to
+        every other replica. Before 2026-11-27 (late morning) these were broadcasts, one owner after another on one
         communicator: on 2 GPUs each direction of the link idle half the time. The gradients of the parameters this
-        rank does not own are dropped, as the optimizer's zero_grad drops the others'. `defer` (2bw on a stage that
-        runs ahead, whose next minibatch runs on a stashed copy): return with the transfers in flight, overlapping
-        that minibatch; `finish` lands them before a forward reads the live weights (the warm-up forwards of the
-        minibatch after copy them, before the next STEP: stash.StashPolicy's `settle`), at the next STEP, and at a
-        segment's end."""
+        rank does not own are dropped, as the optimizer's zero_grad drops the others'. Armed (`arm`): return with
+        the transfers in flight, each layer's forward landing its chunk. `defer` (2bw on a stage that runs ahead,
+        whose next minibatch runs on a stashed copy): return with them in flight, overlapping that minibatch;
+        `finish` lands them before a forward reads the live weights (the warm-up forwards of the minibatch after
+        copy them, before the next STEP: stash.StashPolicy's `settle`), at the next STEP, and at a segment's end.
+        Otherwise they have landed on return."""
         self.finish()
         me = self.ranks[self.replica]
-        sends: list[tuple[torch.Tensor, int]] = []
-        recvs: list[tuple[torch.Tensor, int]] = []
+        chunks = max(self.chunk) + 1 if self.armed and not defer else 1
         with torch.no_grad():
-            for q in range(self.replicas):
-                mine = [p for p, o in zip(self.params, self.owner) if o == q]
-                tensors = [p.data for p in mine if p.numel() >= LARGE and p.is_contiguous()]
-                for bucket in _buckets([p for p in mine if p.numel() < LARGE or not p.is_contiguous()]):
-                    flat = (torch.cat([p.reshape(-1) for p in bucket]) if q == self.replica else
-                            torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device))
-                    tensors.append(flat)
-                    self.pending.append((flat, bucket if q != self.replica else []))
-                if q == self.replica:
-                    sends += [(t, r) for r in self.ranks if r != me for t in tensors]
-                else:
-                    recvs += [(t, self.ranks[q]) for t in tensors]
-            self.works = exchange(sends, recvs, self.group)
+            for c in range(chunks):
+                sends: list[tuple[torch.Tensor, int]] = []
+                recvs: list[tuple[torch.Tensor, int]] = []
+                unpack: list[tuple[torch.Tensor, list[nn.Parameter]]] = []
+                for q in range(self.replicas):
+                    mine = [p for p, o, k in zip(self.params, self.owner, self.chunk)
+                            if o == q and (k == c or chunks == 1)]
+                    tensors = [p.data for p in mine if p.numel() >= LARGE and p.is_contiguous()]
+                    for bucket in _buckets([p for p in mine if p.numel() < LARGE or not p.is_contiguous()]):
+                        flat = (torch.cat([p.reshape(-1) for p in bucket]) if q == self.replica else
+                                torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype,
+                                            device=bucket[0].device))
+                        tensors.append(flat)
+                        unpack.append((flat, bucket if q != self.replica else []))
+                    if q == self.replica:
+                        sends += [(t, r) for r in self.ranks if r != me for t in tensors]
+                    else:
+                        recvs += [(t, self.ranks[q]) for t in tensors]
+                self.inflight.append((exchange(sends, recvs, self.group), unpack))
         for p, q in zip(self.params, self.owner):
             if q != self.replica:
                 p.grad = None
-        if not defer:
+        if not (defer or self.armed):
             self.finish()
 
+    def land(self, chunk: int) -> None:
+        """The chunks in flight up to `chunk` in place: their transfers waited for (on a GPU, by the current stream)
+        and their buckets unpacked."""
+        while self.landed < len(self.inflight) and self.landed <= chunk:
+            works, unpack = self.inflight[self.landed]
+            self.landed += 1
+            for work in works:
+                work.wait()
+            for flat, bucket in unpack:
+                if bucket:
+                    parts = flat.split([p.numel() for p in bucket])
+                    with torch.no_grad():
+                        torch._foreach_copy_(list[torch.Tensor](bucket), [f.view_as(p) for f, p in zip(parts, bucket)])
+        if self.landed == len(self.inflight):
+            self.inflight, self.landed = [], 0
+
     def finish(self) -> None:
-        """Wait for the transfers in flight and unpack the buckets received."""
-        for work in self.works:
-            work.wait()
-        for flat, bucket in self.pending:
-            if bucket:
-                parts = flat.split([p.numel() for p in bucket])
-                with torch.no_grad():
-                    torch._foreach_copy_(list[torch.Tensor](bucket), [f.view_as(p) for f, p in zip(parts, bucket)])
-        self.works, self.pending = [], []
+        """Every transfer in flight waited for and every bucket received unpacked."""
+        self.land(len(self.inflight))
 
 
 def _buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:

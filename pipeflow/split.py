@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -59,8 +59,10 @@ def gemm_accumulation(environ: Mapping[str, str] = os.environ, *, planned: str |
     return text == "gemm"
 
 
-def linear_notes(n: int, *, split: bool, fuse: bool) -> list[str]:
-    """The log lines saying what `n` nn.Linear modules of a rank do with their weight gradients."""
+def linear_notes(stages: Iterable[Any], *, split: bool, fuse: bool) -> list[str]:
+    """A rank's stages' nn.Linear modules set to compute their weight gradients so (Stage.linear_backward); the log
+    lines saying what they do."""
+    n = sum(len(s.linear_backward(split=split, fuse=fuse)) for s in stages)
     return ([f"B defers the weight gradients of {n} nn.Linear module(s) to W (split.py)"] if split else []) + (
         [f"{n} nn.Linear module(s) add their weight gradients into .grad inside the GEMM (gemm accumulation)"]
         if fuse else [])

@@ -45,6 +45,59 @@ def test_a_stage_with_fewer_tensors_than_replicas_is_not_sharded(caplog: pytest.
     assert shard.complete and [p.numel() for p in shard.owned] == [2]  # the frozen one is nobody's
 
 
+class _Delivery:
+    """A transfer's work: wait() writes what the owner sent into the receiving tensors and is logged."""
+
+    def __init__(self, log: list[tuple[str, int]], chunk: int, recvs: list[tuple[torch.Tensor, int]]) -> None:
+        self.log, self.chunk, self.recvs = log, chunk, recvs
+
+    def wait(self) -> None:
+        self.log.append(("wait", self.chunk))
+        for t, _ in self.recvs:
+            t.fill_(7.0)
+
+
+def test_the_owners_weights_land_layer_by_layer_under_the_next_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Armed (flush schedules, 2bw's deferred updates): the exchange is one batch per chunk in the layers' order, all
+    in flight when the STEP returns; each layer's forward first lands the chunks up to its own (received buckets
+    unpacked there), so it computes on the new weights; `finish` lands the rest (Update.settle)."""
+    import pipeflow.shard as shard_module
+
+    log: list[tuple[str, int]] = []
+    calls: list[int] = []
+
+    def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: object
+                 ) -> list[_Delivery]:
+        calls.append(len(calls))
+        return [_Delivery(log, len(calls) - 1, recvs)]
+
+    monkeypatch.setattr(shard_module, "exchange", exchange)
+    monkeypatch.setattr(shard_module, "CHUNK_BYTES", 1)  # a chunk per layer
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 4))
+    shard = ShardedUpdate(list(layers.parameters()), 2, 0)
+    shard.connect(None, [0, 1])
+    shard.arm(list(layers))
+    for k, layer in enumerate(layers):  # after the shard's: what the layer itself would then compute on
+        layer.register_forward_pre_hook(lambda _m, _a, k=k: log.append(("forward", k)))
+    shard.broadcast()
+    assert calls == [0, 1, 2] and log == []  # three layers with weights, nothing waited for yet
+    layers(torch.ones(2, 4))
+    assert log == [("wait", 0), ("forward", 0), ("forward", 1), ("wait", 1), ("forward", 2), ("wait", 2),
+                   ("forward", 3)]
+    theirs = [p for p, q in zip(shard.params, shard.owner) if q == 1]
+    assert theirs and all(bool((p == 7.0).all()) for p in theirs)  # the other owner's weights, unpacked
+    log.clear()
+    shard.broadcast()
+    shard.finish()  # a reader other than a forward (Update.settle: checkpoints, --save)
+    assert log == [("wait", 3), ("wait", 4), ("wait", 5)]
+    unarmed = ShardedUpdate(list(layers.parameters()), 2, 0)
+    unarmed.connect(None, [0, 1])
+    log.clear()
+    unarmed.broadcast()  # async: one batch, landed before the STEP returns
+    assert log == [("wait", 6)]
+
+
 def _plan(d: Path, schedule: str, stages: list[tuple[tuple[int, int], list[int]]]) -> Path:
     plan = {"format": "pipeflow.plan/1", "schedule": schedule, "microbatches": 4,
             "workers": len({q for _, r in stages for q in r}),
@@ -97,6 +150,13 @@ def test_sharded_update_gives_the_same_weights_bit_for_bit(mpi: MpiRun, kind: st
     ranks = len({q for _, r in KINDS[kind][2] for q in r})
     assert sorted(int(r) for r, _, _ in shares) == list(range(ranks))  # every rank holds a share, none the whole
     assert all(0 < int(mine) < int(total) for _, mine, total in shares)
+    # the next forward reads the live weights under the flush schedules and where 2bw defers its update (its last
+    # stage): the exchange lands there layer by layer; async's next forward follows its STEP at once
+    armed = set(re.findall(r"\[rank (\d)\] INFO pipeflow.shard: the owners' weights land layer by layer",
+                           mpi.proc.stderr))
+    expected = {"async-dp": set(), "async-2x2": set(), "2bw-wide-2x2": {"2", "3"}}.get(kind, {str(r) for r in
+                                                                                          range(ranks)})
+    assert armed == expected
 
 
 def checkpoints(d: Path) -> list[Case]:
@@ -159,12 +219,20 @@ def test_the_planner_prices_a_sharded_update_and_its_memory(tmp_path: Path) -> N
     half = price(replace(lay, shard_optimizer=True), topo, "1f1b", 4, [(0, 2)], [[0, 1]], optimizer="adam")[0][0]
     assert whole.optimizer_ms == pytest.approx(1e-8 * 2 * gb)  # 20 ms: the whole update on every replica
     # 10 ms, then the owners' exchange priced as an all-reduce of the 2 GB: 2 ms at 1000 GB/s (before: 1 ms, the
-    # bytes it moves; NCCL's point-to-point reached half the all-reduce's bandwidth on 2 x H200, benchmarks/gpu)
-    assert half.optimizer_ms == pytest.approx(1e-8 * gb + 2 * gb / 1e9)
+    # bytes it moves; NCCL's point-to-point reached half the all-reduce's bandwidth on 2 x H200, benchmarks/gpu).
+    # It lands layer by layer under the next forward (20 ms for the two layers): the first layer's half waits.
+    assert half.optimizer_ms == pytest.approx(1e-8 * gb + 2 * gb / 1e9 / 2)
     assert half.state_share == 0.5 and whole.state_share == 1.0
+    slow = Topology.parse("2x10GB/s")  # 200 ms of exchange: what outlasts the forward waits
+    assert price(replace(lay, shard_optimizer=True), slow, "1f1b", 4, [(0, 2)], [[0, 1]],
+                 optimizer="adam")[0][0].optimizer_ms == pytest.approx(1e-8 * gb + 200 - 20)
+    # async's next forward follows the update at once: the whole exchange in the STEP
+    asynchronous = price(replace(layer_costs(prof, "async", "adam"), shard_optimizer=True), topo, "async", 4,
+                         [(0, 2)], [[0, 1]], optimizer="adam")[0][0]
+    assert asynchronous.optimizer_ms == pytest.approx(1e-8 * gb + 2 * gb / 1e9)
     # 2bw: where forwards run ahead of the minibatch's end (stage 0 of two), the broadcast travels under the next
     # minibatch (ScheduleKind.broadcast_overlaps), off the STEP; data parallel 2bw defers its update instead
-    # (pipeflow/update.py) and runs the next minibatch on the live weights: the broadcast lands in the STEP.
+    # (pipeflow/update.py) and runs the next minibatch on the live weights: the exchange lands under its forward.
     shard = replace(lay, shard_optimizer=True)
     dp = price(shard, topo, "2bw", 4, [(0, 2)], [[0, 1]], optimizer="adam")[0][0]
     assert dp.optimizer_ms == pytest.approx(half.optimizer_ms)
