@@ -107,7 +107,8 @@ class ShardedUpdate:
             for i in mine:
                 chunk[i] = current
                 size += self.params[i].numel() * self.params[i].element_size()
-            layer.register_forward_pre_hook(lambda _m, _a, c=current: self.land(c))
+            # first among the layer's pre-hooks: one registered before (torch.nn.utils.weight_norm's) reads them
+            layer.register_forward_pre_hook(lambda _m, _a, c=current: self.land(c), prepend=True)
             if size >= CHUNK_BYTES:
                 current, size = current + 1, 0
         self.chunk = [max(c, 0) for c in chunk]

@@ -60,7 +60,8 @@ class _Delivery:
 def test_the_owners_weights_land_layer_by_layer_under_the_next_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     """Armed (flush schedules, 2bw's deferred updates): the exchange is one batch per chunk in the layers' order, all
     in flight when the STEP returns; each layer's forward first lands the chunks up to its own (received buckets
-    unpacked there), so it computes on the new weights; `finish` lands the rest (Update.settle)."""
+    unpacked there), so it computes on the new weights, and so do pre-hooks registered before (torch.nn.utils.
+    weight_norm computes a layer's weight in one); `finish` lands the rest (Update.settle)."""
     import pipeflow.shard as shard_module
 
     log: list[tuple[str, int]] = []
@@ -75,11 +76,11 @@ def test_the_owners_weights_land_layer_by_layer_under_the_next_forward(monkeypat
     monkeypatch.setattr(shard_module, "CHUNK_BYTES", 1)  # a chunk per layer
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 4))
+    for k, layer in enumerate(layers):  # registered before the shard's, as weight_norm's would be: runs after it
+        layer.register_forward_pre_hook(lambda _m, _a, k=k: log.append(("forward", k)))
     shard = ShardedUpdate(list(layers.parameters()), 2, 0)
     shard.connect(None, [0, 1])
     shard.arm(list(layers))
-    for k, layer in enumerate(layers):  # after the shard's: what the layer itself would then compute on
-        layer.register_forward_pre_hook(lambda _m, _a, k=k: log.append(("forward", k)))
     shard.broadcast()
     assert calls == [0, 1, 2] and log == []  # three layers with weights, nothing waited for yet
     layers(torch.ones(2, 4))
