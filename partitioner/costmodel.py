@@ -191,8 +191,7 @@ class CostModel:
         late = self.kind.reduce_waits_a_step(last, self.layers.shard_optimizer)
         exposed = np.maximum(0.0, self.allreduce_ms(p, r, level) - np.where(late, busy, b))
         if level == 0:  # a sharded update's exchange lands under the next forward (update_ms)
-            exposed = exposed + self.update_ms(p, r, level, last=last, forward_ms=self.stage_compute_ms(i, k) - b,
-                                               layers=np.asarray(k) - i)
+            exposed = exposed + self.update_ms(i, k, r, level, b)
         if self.kind.flush and level == len(self.topology.levels) - 1:
             out = self._flushed(busy, i, k, r, b, exposed)
         else:
@@ -203,19 +202,20 @@ class CostModel:
             out = np.where(np.asarray(r) <= self.microbatches, out, INF)
         return out
 
-    def update_ms(self, p: np.ndarray | float, r: np.ndarray | float, level: int, last: np.ndarray | bool = False,
-                  forward_ms: np.ndarray | float = 0.0, layers: np.ndarray | int = 1) -> np.ndarray:
-        """One update of p parameter bytes on r units of `level`: the step over p, or with a sharded optimizer a
-        1/r share of it (each replica's, at most as many as the topology's groups of this level hold) and the
-        exchange of the other (r - 1)/r of the weights (outer levels' share: the simulator), what of it is exposed
-        (ScheduleKind.exchange_exposed_ms) and priced as an all-reduce of them, 2 (r - 1)/r p / bw: it moves half
-        the bytes, but NCCL's point-to-point reached half its all-reduce's bandwidth (2 x H200, 2.68 GB)."""
-        lay = self.layers
+    def update_ms(self, i: np.ndarray | int, k: np.ndarray | int, r: np.ndarray | float, level: int,
+                  b: np.ndarray | float) -> np.ndarray:
+        """One update of stage [i, k) (backward b a microbatch) on r units of `level`: the step over its p bytes, or
+        sharded a 1/r share of it (at most as many as the topology's groups of this level hold) and what it waits of
+        the exchange of the rest (ScheduleKind.exchange_exposed_ms; outer levels': the simulator), priced as an
+        all-reduce, 2 (r - 1)/r p / bw: it moves half the bytes, at half the all-reduce's bandwidth (2 x H200)."""
+        lay, p = self.layers, self.P[k] - self.P[i]
         if not lay.shard_optimizer:
             return np.asarray(lay.optimizer_ms_per_byte * p + lay.update_ms)
         r = np.asarray(r, dtype=np.float64)
         most = r * (self.topology.workers // self.topology.unit_size(level + 1))
-        sent = self.kind.exchange_exposed_ms(self.allreduce_ms(p, r, level), last, forward_ms, layers)
+        fwd, first = self.stage_compute_ms(i, k) - b, (self.P[np.asarray(i) + 1] - self.P[i]) / np.maximum(p, 1.0)
+        sent = self.kind.exchange_exposed_ms(self.allreduce_ms(p, r, level), np.asarray(k) == self.num_layers, fwd,
+                                             first, fwd - (self.Fw[np.asarray(k) - 1] - self.Fw[i]))
         return lay.optimizer_ms_per_byte * p / most + lay.update_ms + sent
 
     def _flushed(self, busy: np.ndarray, i: np.ndarray | int, k: np.ndarray | int, r: np.ndarray | float,

@@ -60,7 +60,9 @@ def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int,
         weight = 0.0 if lay.backward_weight_ms is None else scale * float(lay.backward_weight_ms[a:b].sum())
         share = 1.0 / len(rs) if lay.shard_optimizer else 1.0  # --shard-optimizer: a 1/r share of the update,
         update = lay.optimizer_ms_per_byte * p * share + (  # then the owners' exchange, priced as the all-reduce
-            float(kind.exchange_exposed_ms(ar, b == L, fwd, b - a)) if lay.shard_optimizer else 0.0)  # (update_ms)
+            float(kind.exchange_exposed_ms(ar, b == L, fwd, float(lay.parameter_bytes[a]) / max(p, 1.0),
+                                           fwd - scale * float(lay.forward_ms[a:b - 1].sum())))
+            if lay.shard_optimizer else 0.0)  # (costmodel.update_ms)
         out.append(StageCost(fwd, scale * float(lay.backward_ms[a:b].sum()) + float(extra_b), send, ar, p,
                              float(lay.activation_bytes[a:b].sum()), update, nbytes, weight,
                              lay.latency_ms, lay.message_ms, lay.loss_bytes if b == L else 0.0, share,

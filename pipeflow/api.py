@@ -255,7 +255,7 @@ class Pipeline:
         they are left to the destructor)."""
         from pipeflow.comm import shutdown
 
-        self.engine.update.settle()  # no transfer left in flight (shard.py)
+        self.engine.update.close()  # no transfer left in flight, no hook left on the layers (shard.py)
         self.engine.p2p.close()
         shutdown()
 

@@ -293,5 +293,6 @@ class Engine:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's weights under the model-wide keys of nn.Sequential(*spec.layers) ("3.weight")."""
-        self.update.settle()  # a sharded update's exchange, landing under the next forward (shard.py), in place
+        if self.shard is not None:  # its exchange, landing under the next forward (shard.py), in place: a local wait
+            self.shard.finish()
         return {k: v for c in self.stages.values() for k, v in c.model_state_dict().items()}

@@ -125,10 +125,11 @@ class ScheduleKind:
         travel under the next minibatch where 2bw runs it on a stashed version (every stage but the last)."""
         return (self.weights is Weights.DOUBLE_BUFFER) & (last == 0)
 
-    def exchange_exposed_ms(self, exchange_ms: Any, last: Any, forward_ms: Any, layers: Any) -> Any:
+    def exchange_exposed_ms(self, exchange_ms: Any, last: Any, forward_ms: Any, first: Any, tail_ms: Any) -> Any:
         """--shard-optimizer: what of the owners' exchange a stage waits for: none where it overlaps, all (async's
-        STEP), else the first layer's share or what outlasts one forward (shard.ShardedUpdate.arm: layer by layer)."""
-        first, rest = exchange_ms / layers, exchange_ms - forward_ms  # (floats or numpy arrays: the larger below)
+        STEP), else (shard.ShardedUpdate.arm: layer by layer under a forward of `tail_ms` in its last layer) the
+        `first` layer's share of the bytes, or the exchange and the last layer's forward beyond the whole forward."""
+        first, rest = exchange_ms * first, exchange_ms + tail_ms - forward_ms  # (floats or arrays: the larger below)
         waits = exchange_ms if self.step_per_backward else (first + rest + abs(first - rest)) / 2
         return waits * (self.broadcast_overlaps(last) == 0)
 

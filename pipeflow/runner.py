@@ -170,7 +170,7 @@ def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Control, watchdog:
             log.info("peak GPU memory per rank (GiB): %s", [round(p / 2**30, 2) for p in peaks])
     save_error = save_model(pipe, args.save, comm, args.checkpoint_dir) if args.save else None
     comm.barrier()
-    engine.update.settle()  # no transfer left in flight (shard.py)
+    engine.update.close()  # no transfer left in flight, no hook left on the layers (shard.py)
     engine.p2p.close()
     # NCCL may hang at interpreter exit when its process group is left for the destructor.
     shutdown()

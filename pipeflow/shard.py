@@ -74,6 +74,7 @@ class ShardedUpdate:
         self.ranks: list[int] = []
         self.chunk = [0] * len(self.params)  # the chunk each parameter travels in (one, until `arm`)
         self.armed = False
+        self.hooks: list[Any] = []  # armed: the layers' forward pre-hooks (removed by `close`)
         # per chunk in flight, in the layers' order: its transfers' works and its bucket buffers with the parameters
         # to unpack them into; `landed` of them are in place
         self.inflight: list[tuple[list[Any], list[tuple[torch.Tensor, list[nn.Parameter]]]]] = []
@@ -96,7 +97,12 @@ class ShardedUpdate:
         """Land the owners' weights layer by layer under the next forward (module docstring): `layers` in the order
         their forwards run, consecutive ones sharing a chunk until it holds CHUNK_BYTES; each layer's forward
         pre-hook lands the chunks up to the one holding its parameters. A parameter found in no layer travels in
-        the first chunk; one found in several (tied) in that of the first."""
+        the first chunk; one found in several (tied) in that of the first. Not armed where a layer is a TorchScript
+        module, which takes no hooks: the exchange then lands in the STEP."""
+        scripted = [type(m).__name__ for m in layers if isinstance(m, torch.jit.ScriptModule)]
+        if scripted:
+            log.info("the owners' weights land in the STEP: %s takes no forward pre-hook (TorchScript)", scripted[0])
+            return
         index = {id(p): i for i, p in enumerate(self.params)}
         chunk = [-1] * len(self.params)
         current, size = 0, 0
@@ -108,7 +114,7 @@ class ShardedUpdate:
                 chunk[i] = current
                 size += self.params[i].numel() * self.params[i].element_size()
             # first among the layer's pre-hooks: one registered before (torch.nn.utils.weight_norm's) reads them
-            layer.register_forward_pre_hook(lambda _m, _a, c=current: self.land(c), prepend=True)
+            self.hooks.append(layer.register_forward_pre_hook(lambda _m, _a, c=current: self.land(c), prepend=True))
             if size >= CHUNK_BYTES:
                 current, size = current + 1, 0
         self.chunk = [max(c, 0) for c in chunk]
@@ -175,6 +181,14 @@ class ShardedUpdate:
     def finish(self) -> None:
         """Every transfer in flight waited for and every bucket received unpacked."""
         self.land(len(self.inflight))
+
+    def close(self) -> None:
+        """The end of training: everything landed, and the layers' hooks removed (the layers are the user's: a
+        module that trained sharded pickles, and holds no reference to this)."""
+        self.finish()
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks, self.armed = [], False
 
 
 def _buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:

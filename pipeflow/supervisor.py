@@ -126,6 +126,7 @@ class Supervisor:
         if self.args.checkpoint_dir and due and g.exit_code != EXIT_NONFINITE and step != self.saved_step:
             self._checkpoint(step)
         if g.stop_reason is not None:
+            self.engine.update.close()  # every rank stops here: nothing left in flight at the teardown (shard.py)
             where = ""
             if self.saved is not None and self.saved_step == step and g.exit_code != EXIT_NONFINITE:
                 where = f"; checkpoint saved in {self.saved} (resume with --resume)"

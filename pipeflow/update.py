@@ -198,7 +198,14 @@ class Update:
         """The index of the gradient this STEP makes (its update's lr); 0 without a schedule."""
         return self.lr.take() if self.lr is not None else 0
 
+    def close(self) -> None:
+        """The end of training (or an agreed stop): a sharded update's transfers landed and its hooks removed."""
+        if self.shard is not None:
+            self.shard.close()
+
     def _apply(self, ok: bool, *, overlap: bool, index: int, norm: Norm | None = None) -> None:
+        if self.shard is not None:  # the last exchange landed before the owners' weights change (a drain's update)
+            self.shard.finish()
         if self.clip is not None and norm is not None:  # scaled even when skipped: every rank waits for its norm
             # Every gradient the norm counted, as clip_grad_norm_(model.parameters()) scales them: those of parameters
             # the optimizer leaves out too (they add up from step to step, as in one process); sharded, the owned.

@@ -384,8 +384,9 @@ def test_contention_slows_the_layers_as_far_as_the_ranks_compute_at_once(plan: P
 
 @pytest.mark.parametrize("schedule, shard, step_ms", [
     ("2bw", False, 8.0),  # its deferred update's all-reduce runs under the next minibatch: hidden
-    # sharded: beside the last backward (2 ms), 3 ms after it; the exchange (5 ms) under the next forward (2 ms)
-    ("2bw", True, 11.0 + 3.0),
+    # sharded: beside the last backward (2 ms), 3 ms after it; the exchange (5 ms) under the next forward (2 ms),
+    # whose second layer (1 ms) waits for all of it: 4 ms
+    ("2bw", True, 11.0 + 4.0),
     ("async", False, None),  # not deferred: beside each backward
 ])
 def test_a_deferred_update_all_reduces_under_the_next_minibatch(schedule: str, shard: bool,
