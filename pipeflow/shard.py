@@ -12,9 +12,9 @@ Where the next forward reads the live weights (flush schedules; 2bw's deferred u
 weights land layer by layer under it (`arm`): the exchange is split into chunks in the layers' order, each its own
 batch, and a forward pre-hook on each layer waits for the chunks up to its own (on a GPU the stream waits, not the
 host), as ZeRO/FSDP prefetch a layer's parameters. The exchange of step k then runs beside the first forward of
-step k + 1 instead of in its STEP (2 x H200: about 7.5 ms a step for the 2.68 GB GPT, section "Sharded weights
-landing layer by layer" of benchmarks/gpu/README.md). Everything else that reads the weights lands them all first
-(`finish`: Engine.state_dict, checkpoints, the next STEP, a segment's end, closing).
+step k + 1 instead of in its STEP (2 x H200, the 2.68 GB GPT: its sharded 2bw STEP 6.5-6.8 ms, against 12.9-13.5;
+benchmarks/gpu/README.md, "the sharded weights landing layer by layer"). Everything else that reads the weights
+lands them all first (`finish`: Engine.state_dict, checkpoints, the next STEP, a drain's update, closing).
 """
 from __future__ import annotations
 
@@ -135,15 +135,14 @@ class ShardedUpdate:
         Otherwise they have landed on return."""
         self.finish()
         me = self.ranks[self.replica]
-        chunks = max(self.chunk) + 1 if self.armed and not defer else 1
+        chunks = max(self.chunk) + 1  # one unless armed
         with torch.no_grad():
             for c in range(chunks):
                 sends: list[tuple[torch.Tensor, int]] = []
                 recvs: list[tuple[torch.Tensor, int]] = []
                 unpack: list[tuple[torch.Tensor, list[nn.Parameter]]] = []
                 for q in range(self.replicas):
-                    mine = [p for p, o, k in zip(self.params, self.owner, self.chunk)
-                            if o == q and (k == c or chunks == 1)]
+                    mine = [p for p, o, k in zip(self.params, self.owner, self.chunk) if o == q and k == c]
                     tensors = [p.data for p in mine if p.numel() >= LARGE and p.is_contiguous()]
                     for bucket in _buckets([p for p in mine if p.numel() < LARGE or not p.is_contiguous()]):
                         flat = (torch.cat([p.reshape(-1) for p in bucket]) if q == self.replica else
