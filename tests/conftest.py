@@ -8,8 +8,12 @@ torch._dynamo, which torch.optim imports with the first optimizer) for well unde
 in a test. So a distributed test declares its run as a *case* and asserts on the case's outputs; the
 cases of all selected tests (`-k` selects fewer) go to one `mpirun -np N python -m tests.mpi_batch
 cases.json` per -np, which runs them one after the other in the same processes (tests/mpi_batch.py;
-mpi4py's own suite runs one file under N processes the same way). The batches run in a background thread
-from the first test on, while the other tests run; the batched tests come last and read their outputs.
+mpi4py's own suite runs one file under N processes the same way). The batches run in two background threads
+(lanes, each one mpirun at a time; a group of many cases is split over both) from the first test on, while the
+other tests run; the batched tests come last and read their outputs. One mpirun's ranks wait on each other
+often, so two of them beside the in-process tests fill the cores that one left idle: on the 2-core machine, idle,
+the suite took 101-121 s in nine runs with two lanes (one more at 147 s) against 123-126 s with one (2026-11-28,
+1,502 tests).
 To write one:
 
     def case(d: Path, schedule: str) -> Case:           # d: the case's own directory
@@ -52,7 +56,8 @@ Launches of their own in the background
 A test whose body only starts processes (an mpirun it signals, a console script) and asserts on what they
 did spends its time waiting on them, one core idle. `@in_background` (the marker `background`) runs its
 body in a second background thread from the session's start, one such test after the other in collection
-order, while the in-process tests and the batches run; the test itself comes after the in-process tests
+order, while the in-process tests and the batches run (a batch lane with no batch left takes bodies too); the
+test itself comes after the in-process tests
 and reports the body's outcome (its assertion and traceback as they were). The foreground, arriving there,
 runs the bodies not started yet itself, the last first, while the thread finishes its own (`Background.outcome`).
 Its checks, timeouts and timings are the body's own, unchanged. The body may take only `tmp_path` (a directory
@@ -83,6 +88,8 @@ BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parent.parent
 MPIRUN = os.environ.get("PIPEFLOW_MPIRUN") or shutil.which("mpirun", path=str(BIN)) or shutil.which("mpirun")
 BATCHES = pytest.StashKey["Batches"]()
+LANES = 2  # batches run at once: one mpirun's ranks wait on each other, the other's fill the cores meanwhile
+SPLIT_CASES = 60  # a group of at least this many cases is split over the lanes
 BATCH_STARTUP_S = 120.0  # what a batch's mpirun may take beyond its cases' timeouts (start-up, loaded machine)
 
 
@@ -266,13 +273,13 @@ def _background(item: pytest.Item) -> bool:
 
 
 class Batches:
-    """The selected tests' cases, grouped by -np: `start()` runs the groups one after the other in a
-    background thread while the other tests run (their mpiruns sleep while they wait, so the two share the
-    cores); `result` waits for the groups a test's cases need. With PIPEFLOW_TEST_NO_BATCH=1 (one launch
-    per case, for debugging) they run on demand instead."""
+    """The selected tests' cases, grouped by -np: `start()` runs the groups on LANES background threads while the
+    other tests run (their mpiruns sleep while they wait, so they share the cores), a group only after those some
+    test's cases need before it; `result` waits for the groups a test's cases need. With PIPEFLOW_TEST_NO_BATCH=1
+    (one launch per case, for debugging) they run on demand instead."""
 
-    def __init__(self, items: list[pytest.Item], root: Path) -> None:
-        self.root = root
+    def __init__(self, items: list[pytest.Item], root: Path, config: pytest.Config | None = None) -> None:
+        self.root, self.config = root, config
         self.env = mpi_env()  # now, before any test changes os.environ (the thread reads no later one)
         self.dirs: dict[str, Path] = {}
         self.steps: dict[str, list[_Step]] = {}
@@ -290,44 +297,74 @@ class Batches:
             cases = made if isinstance(made, list) else [made]
             self.dirs[key] = d
             self.steps[key] = [_Step(key, i, c, d / ".mpi" / f"case{i}") for i, c in enumerate(cases)]
+        self.after: dict[int, set[int]] = {}  # -np group -> the groups it must come after
         self.order = self._group_order()
+        self.units = self._units()  # (-np, tests' keys): one mpirun each, longest groups first
+        self.left = {n: sum(u[0] == n for u in self.units) for n in self.order}  # units of a group not ended
         self.done: set[int] = set()
         self.launches: list[tuple[int, int, float]] = []  # (-np, cases, seconds) of each mpirun
         self.finished = {n: threading.Event() for n in self.order}
         self.error: BaseException | None = None
-        self.thread: threading.Thread | None = None
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Condition()
         self.stopping = False
-        self.running: subprocess.Popen[str] | None = None  # the background thread's mpirun
+        self.running: set[subprocess.Popen[str]] = set()  # the lanes' mpiruns
 
     def start(self) -> None:
-        """Run every group in the background (in `order`), unless one launch per case was asked for."""
+        """Run every group in the background (on LANES lanes), unless one launch per case was asked for."""
         if self.steps and os.environ.get("PIPEFLOW_TEST_NO_BATCH") != "1":
-            self.thread = threading.Thread(target=self._run_all, name="mpi-batches", daemon=True)
-            self.thread.start()
+            self.threads = [threading.Thread(target=self._lane, name=f"mpi-batches-{i}", daemon=True)
+                            for i in range(LANES)]
+            for thread in self.threads:
+                thread.start()
 
     def stop(self) -> None:
         """At the session's end (after -x, Ctrl-C or a deselected remainder): end what still runs."""
-        self.stopping = True
-        proc = self.running
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        if self.thread is not None:
-            self.thread.join()
+        with self.lock:
+            self.stopping = True
+            self.lock.notify_all()
+        for proc in list(self.running):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        for thread in self.threads:
+            thread.join()
 
-    def _run_all(self) -> None:
+    def _lane(self) -> None:
+        """Take the next unit whose group may start (every group it comes after finished), run it, until none is
+        left; the last unit of a group to end marks the group finished."""
         _behind_the_foreground()
         try:
-            for n in self.order:
-                if self.stopping:
-                    break
-                self.done.add(n)
-                self._run_group(n)
-                self.finished[n].set()
+            while not self.stopping and (unit := self._next_unit()) is not None:
+                n, keys = unit
+                self._run_keys(n, keys)
+                with self.lock:
+                    self.left[n] -= 1
+                    if not self.left[n]:
+                        self.finished[n].set()
+                    self.lock.notify_all()
+            background = self.config.stash.get(BACKGROUND, None) if self.config is not None else None
+            if background is not None and not self.stopping:  # no unit left: the background tests' bodies
+                background.run_all()
         except BaseException as e:  # reported by every test that waits for it
             self.error = e
         finally:
-            for event in self.finished.values():
-                event.set()
+            with self.lock:
+                if self.error is not None or self.stopping:  # nothing more runs: no test waits forever
+                    self.stopping = True
+                    for event in self.finished.values():
+                        event.set()
+                self.lock.notify_all()
+
+    def _next_unit(self) -> tuple[int, list[str]] | None:
+        with self.lock:
+            while self.units and not self.stopping:
+                ready = [u for u in self.units if all(self.finished[a].is_set() for a in self.after.get(u[0], ()))]
+                if ready:
+                    self.units.remove(ready[0])
+                    self.done.add(ready[0][0])
+                    return ready[0]
+                self.lock.wait()
+            return None
 
     def _group_order(self) -> list[int]:
         """The -np groups in an order that runs each test's cases in theirs (first seen first)."""
@@ -340,6 +377,7 @@ class Batches:
             for s in steps:
                 if s.case.np not in seen:
                     seen.append(s.case.np)
+        self.after = after
         order: list[int] = []
         while len(order) < len(seen):
             ready = [n for n in seen if n not in order and after.get(n, set()) <= set(order)]
@@ -348,9 +386,28 @@ class Batches:
             order.append(ready[0])
         return order
 
+    def _units(self) -> list[tuple[int, list[str]]]:
+        """Each group's tests (keys, in collection order) as one unit, or in LANES units of about equal case counts
+        where the group holds at least SPLIT_CASES cases (a test's cases stay in one unit, in order); the groups of
+        the most rank-cases (cases times ranks) first, so that the lanes end together."""
+        units = []
+        for n in self.order:
+            keys = [k for k, steps in self.steps.items() if any(s.case.np == n for s in steps)]
+            count = {k: sum(s.case.np == n for s in self.steps[k]) for k in keys}
+            total = sum(count.values())
+            parts = LANES if total >= SPLIT_CASES else 1
+            split: list[list[str]] = [[] for _ in range(parts)]
+            done = 0
+            for k in keys:
+                split[min(parts - 1, done * parts // total)].append(k)
+                done += count[k]
+            units += [(n, part) for part in split if part]
+        cases = {n: sum(s.case.np == n for steps in self.steps.values() for s in steps) for n in self.order}
+        return sorted(units, key=lambda u: -cases[u[0]] * u[0])
+
     def result(self, key: str) -> MpiRun:
         needed = {s.case.np for s in self.steps[key]}
-        if self.thread is not None:
+        if self.threads:
             for n in needed:
                 self.finished[n].wait()
             if self.error is not None:
@@ -366,7 +423,10 @@ class Batches:
         return MpiRun(self.dirs[key], [s.proc for s in steps if s.proc is not None], [s.seconds for s in steps])
 
     def _run_group(self, n: int) -> None:
-        todo = [s for steps in self.steps.values() for s in steps if s.case.np == n]
+        self._run_keys(n, list(self.steps))
+
+    def _run_keys(self, n: int, keys: list[str]) -> None:
+        todo = [s for k in keys for s in self.steps[k] if s.case.np == n]
         # Within a test, its cases in order; tests in collection order.
         if os.environ.get("PIPEFLOW_TEST_NO_BATCH") == "1":
             for s in todo:
@@ -384,6 +444,7 @@ class Batches:
 
     def _launch(self, n: int, todo: list[_Step], path: Path) -> list[_Step]:
         """One mpirun for `todo`; returns the cases after the first that did not finish (to run again)."""
+        path = path.with_name(f"{path.stem}-{re.sub(r'[^A-Za-z0-9_.=-]+', '_', todo[0].key)[-60:]}.json")
         path.write_text(json.dumps([{"id": s.key, "args": s.case.args, "env": s.case.env, "timeout": s.case.timeout,
                                      "out": str(s.out), "before": s.case.before, "main": s.case.main}
                                     for s in todo], indent=1))
@@ -392,7 +453,7 @@ class Batches:
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env,
                                 cwd=ROOT, start_new_session=True)
-        self.running = proc
+        self.running.add(proc)
         try:
             out, err = proc.communicate(timeout=limit)
             why = f"the batch exited {proc.returncode}"
@@ -400,6 +461,7 @@ class Batches:
             os.killpg(proc.pid, signal.SIGKILL)  # mpirun and the ranks it started
             out, err = proc.communicate()
             why = f"the batch ran past its timeout of {limit:.0f} s"
+        self.running.discard(proc)
         self.launches.append((n, len(todo), time.monotonic() - t0))
         for i, s in enumerate(todo):
             codes = [_read_code(s.out / f"rank{r}.json") for r in range(n)]
@@ -444,7 +506,7 @@ def _completed(s: _Step, codes: list[int | None], extra: str = "") -> subprocess
 @pytest.fixture(scope="session", autouse=True)
 def _mpi_batches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Batches]:
     """Set up before the first test: the batches start then, in the background (`Batches.start`)."""
-    batches = Batches(request.session.items, tmp_path_factory.mktemp("mpi"))
+    batches = Batches(request.session.items, tmp_path_factory.mktemp("mpi"), request.config)
     request.config.stash[BATCHES] = batches
     batches.start()
     yield batches
@@ -524,6 +586,11 @@ class Background:
 
     def _run_all(self) -> None:
         _behind_the_foreground()
+        self.run_all()
+
+    def run_all(self) -> None:
+        """Run the bodies not started yet, one after the other, until none is left (also called by a batch lane
+        that has run its last unit)."""
         while (item := self._take()) is not None:
             self._run(item)
 

@@ -16,6 +16,7 @@ from partitioner.planner import PlanningError
 from partitioner.profile import LayerProfile, Profile
 from partitioner.service import AUTO_BUBBLE, plan_from_profile
 from partitioner.topology import TopologyError
+from tests.conftest import base_env, in_background
 
 
 def make_profile(n: int = 8, *, params: int = 4_000_000, act: int = 1_000_000, out: int = 100_000) -> Profile:
@@ -32,10 +33,14 @@ def profile_path(tmp_path: Path) -> Path:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "partitioner.cli", *args], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env=base_env())
 
 
-def test_end_to_end_with_timeline(tmp_path: Path, profile_path: Path) -> None:
+@in_background
+def test_end_to_end_with_timeline(tmp_path: Path) -> None:
+    """The console script in a process of its own (python, torch, matplotlib), run in the background."""
+    profile_path = tmp_path / "profile.json"
+    make_profile().save(profile_path)
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
     r = run_cli(str(profile_path), "--workers", "4", "--topology", "2x300GB/s,2x25GB/s", "--schedule", "1f1b",
                 "--microbatches", "8", "-o", str(out), "--timeline", str(png))

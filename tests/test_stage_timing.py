@@ -1,8 +1,10 @@
 """pipeflow-profile --timing stage: each layer timed inside the chain a stage runs (partitioner.measure.time_chain)."""
 from __future__ import annotations
 
+import functools
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,6 +18,23 @@ from partitioner.profile import Profile, ProfileError
 from pipeflow.spec import ModelSpec
 
 SLACK_MS = 15.0  # what a sleep may overshoot on a loaded 2-core machine (a swapped layer fails the lower bound)
+ATTEMPTS = 3
+
+
+def retried(test: Callable[..., None]) -> Callable[..., None]:
+    """Run a test of sleeps' times again when an assertion fails, at most ATTEMPTS times: on a loaded machine a sleep
+    now and then overshoots by more than SLACK_MS (16.5 ms for 1 ms, once, with the suite's batches beside it); a
+    time given to the wrong layer fails every attempt."""
+    @functools.wraps(test)
+    def run(*args: Any, **kwargs: Any) -> None:
+        for attempt in range(ATTEMPTS):
+            try:
+                test(*args, **kwargs)
+                return
+            except AssertionError:
+                if attempt == ATTEMPTS - 1:
+                    raise
+    return run
 
 
 class _Sleep(torch.autograd.Function):
@@ -58,6 +77,7 @@ def _times(prof: Profile) -> list[tuple[float, float, float]]:
     return [(lay.forward_ms, lay.backward_ms, lay.backward_accumulate_ms or 0.0) for lay in prof.layers]
 
 
+@retried
 def test_each_layer_gets_its_own_forward_and_backward_in_the_chain() -> None:
     sleeps = [(2.0, 8.0), (4.0, 10.0), (6.0, 12.0)]
     spec = _spec([SleepLayer(f, b) for f, b in sleeps])
@@ -69,6 +89,7 @@ def test_each_layer_gets_its_own_forward_and_backward_in_the_chain() -> None:
         assert b <= ta < b + SLACK_MS
 
 
+@retried
 def test_a_layer_that_follows_other_layers_is_timed_as_it_runs_in_a_stage() -> None:
     # Timed alone, again and again, a layer never pays for following another; in a stage it always does.
     spec = _spec([SleepLayer(5.0, 1.0, cold_ms=20.0) for _ in range(3)])
@@ -79,6 +100,7 @@ def test_a_layer_that_follows_other_layers_is_timed_as_it_runs_in_a_stage() -> N
         assert 25.0 <= fs < 25.0 + SLACK_MS
 
 
+@retried
 def test_a_model_larger_than_the_budget_is_timed_a_window_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     sleeps = [(2.0, 4.0), (6.0, 8.0), (4.0, 2.0)]
     spec = _spec([SleepLayer(f, b) for f, b in sleeps])
@@ -148,6 +170,7 @@ class Cut(nn.Module):
         return x.detach()
 
 
+@retried
 def test_layers_before_a_cut_in_the_chain_have_no_backward() -> None:
     layers = [SleepLayer(1.0, 6.0), Cut(), SleepLayer(1.0, 8.0)]
     times = time_chain(layers, torch.randn(2, 4), torch.device("cpu"), warmup=0, repeats=1)
@@ -172,6 +195,7 @@ class Join(nn.Module):
         return x[0] + x[1]
 
 
+@retried
 def test_a_skip_connection_carried_through_layers_times_every_layer() -> None:
     layers = [Skip(True), Skip(False), Skip(False), Join()]
     times = time_chain(layers, torch.randn(2, 4), torch.device("cpu"), warmup=1, repeats=2)
@@ -219,6 +243,7 @@ def test_a_chain_that_ends_the_model_times_its_loss_apart_from_the_last_layer() 
     assert time_chain(layers, torch.randn(2, 4), torch.device("cpu"), warmup=0, repeats=1).loss == []
 
 
+@retried
 def test_stage_timing_prices_the_loss_inside_the_chain(monkeypatch: pytest.MonkeyPatch) -> None:
     """--timing stage takes the loss's time from the last window's chain; idle keeps time_loss's (alone)."""
     monkeypatch.setattr(profiler, "time_loss", lambda *a, **k: 999.0)
@@ -239,6 +264,7 @@ class PacedLayer(SleepLayer):
 
 
 @pytest.mark.parametrize("rounds", [1, 3])
+@retried
 def test_the_fastest_of_several_rounds_is_kept(monkeypatch: pytest.MonkeyPatch, rounds: int) -> None:
     """A host whose pace moves between rounds (2 x H200: 2x from second to second): --rounds R times the chain R
     times and keeps the round whose passes took least, every layer's numbers from it, its loss too."""
@@ -278,6 +304,7 @@ def test_rounds_default_by_device_and_are_checked() -> None:
                                timing="stage", rounds=0)
 
 
+@retried
 def test_both_accumulations_are_timed_in_turn_through_the_host_s_spells(monkeypatch: pytest.MonkeyPatch) -> None:
     """Autograd's and the GEMM's accumulation (gemm=True, as on CUDA) are timed round by round in turn, so both meet
     the host's pace of the same seconds. A slow spell over the first three chain timings: timed one way after the
