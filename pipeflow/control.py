@@ -9,6 +9,8 @@ lazy: the first one initialises MPI, and pipeflow-train's usage errors come befo
 """
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -29,15 +31,25 @@ OPTIMIZER_STATE_TAG = 0x5A4  # checkpoint: a sharded stage's optimizer state, ea
 # idle 2-core machine; 0 of 80 with a 0.2 s pause): the abort overtakes the forwarded stderr. The pause
 # lets the rank's last line reach the user.
 ABORT_GRACE_S = 0.5
+# MPI Abort ends the job through the launcher. Where it does not, the rank ends itself (`abort_comm`), and mpirun,
+# seeing a rank exit with a failure, ends the others.
+ABORT_STUCK_S = 20
 
 
 def abort_comm(comm: Any, code: int) -> None:
-    """MPI Abort on `comm` with exit code `code`, after the rank's pending output has had time to reach
-    mpirun."""
+    """MPI Abort on `comm` with exit code `code`, after the rank's pending output has had time to reach mpirun;
+    this process never returns from it. MPI Abort itself may: with mpirun gone (killed), the abort's message to
+    it fails and the call returns, and the rank exits with `code` at once (it used to go on, its watchdog writing
+    its error line again and again until the pipe nobody read was full). Or it may not end: once in about twenty
+    loaded runs of the test suite a rank slept inside MPI Abort for the whole test timeout. An alarm set first
+    ends the process ABORT_STUCK_S later, with no Python code needed to run for it (SIGALRM's default action)."""
     sys.stdout.flush()
     sys.stderr.flush()
     time.sleep(ABORT_GRACE_S)
+    if hasattr(signal, "alarm"):  # any thread may set it (the watchdog's aborts from its own)
+        signal.alarm(ABORT_STUCK_S)
     comm.Abort(code)
+    os._exit(code)
 
 
 class Control:

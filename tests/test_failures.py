@@ -12,12 +12,13 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils.data import TensorDataset
 
 from pipeflow.models import mlp
 from pipeflow.spec import ModelSpec
-from tests.conftest import MPIRUN, Case, MpiRun, batched, in_background, mpi_env
+from tests.conftest import MPIRUN, Case, MpiRun, base_env, batched, in_background, mpi_env
 
 MLP = {"layers": 6, "hidden": 16, "d_in": 8, "samples": 256}
 LONG = ["--model", "mlp", "--model-args", json.dumps(MLP), "--layers-per-stage", "even", "--microbatches", "4",
@@ -177,12 +178,17 @@ class RecordingComm:
         self.aborted = (code, time.monotonic())
 
 
-def test_abort_leaves_mpirun_time_to_forward_the_last_line(capfd):
+def test_abort_leaves_mpirun_time_to_forward_the_last_line(capfd, monkeypatch):
     # MPICH's mpirun dropped the line a rank wrote just before MPI Abort in 7 of 40 3-rank jobs (idle 2-core
     # machine; 0 of 80 with a 0.2 s pause): CI lost "rank 2 stopped responding" that way. The watchdog's and
     # Control's aborts both write first, then pause, then abort.
+    from pipeflow import control
     from pipeflow.control import ABORT_GRACE_S, Control
     from pipeflow.watchdog import Watchdog
+
+    exits: list[int] = []
+    monkeypatch.setattr(control.os, "_exit", exits.append)  # RecordingComm's Abort returns: the rank exits itself
+    monkeypatch.setattr(control.signal, "alarm", lambda s: None)
 
     comm = RecordingComm()
     t0 = time.monotonic()
@@ -197,3 +203,32 @@ def test_abort_leaves_mpirun_time_to_forward_the_last_line(capfd):
     assert "rank 2 stopped responding: no heartbeat" in capfd.readouterr().err
     assert dog.comm.aborted is not None and dog.comm.aborted[0] == 3
     assert dog.comm.aborted[1] - t0 >= ABORT_GRACE_S
+    assert exits == [2, 3]
+
+
+ABORTING = """
+import sys, time
+from pipeflow import control
+control.ABORT_GRACE_S, control.ABORT_STUCK_S = 0.0, 1
+class Comm:
+    def Abort(self, code):
+        print("aborting", flush=True)
+        if sys.argv[1] == "stuck":
+            time.sleep(60)  # MPICH asleep inside MPI Abort (seen once in ~20 loaded suite runs)
+control.abort_comm(Comm(), 3)
+print("returned from abort_comm", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["returns", "stuck"])
+def test_a_rank_whose_mpi_abort_does_not_end_it_ends_itself(tmp_path, how):
+    """MPI Abort that returns (mpirun already gone: it used to go on, writing its error line until a pipe filled) or
+    that never ends: the rank ends itself, with the abort's code or by the alarm, never going on."""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", ABORTING, how], capture_output=True, text=True, timeout=30,
+                          env=base_env(), cwd=Path(__file__).resolve().parent.parent)
+    assert proc.stdout == "aborting\n", (proc.stdout, proc.stderr)
+    if how == "returns":
+        assert proc.returncode == 3
+    else:
+        assert proc.returncode == -signal.SIGALRM and time.monotonic() - t0 < 20
