@@ -323,7 +323,7 @@ class Batches:
         with self.lock:
             self.stopping = True
             self.lock.notify_all()
-        background = self.config.stash.get(BACKGROUND, None) if self.config is not None else None
+        background = self._bodies()
         if background is not None:  # a lane running the background bodies takes no more of them
             background.stopping = True
         for proc in list(self.running):
@@ -345,7 +345,7 @@ class Batches:
                     if not self.left[n]:
                         self.finished[n].set()
                     self.lock.notify_all()
-            background = self.config.stash.get(BACKGROUND, None) if self.config is not None else None
+            background = self._bodies()
             if background is not None and not self.stopping:  # no unit left: the background tests' bodies
                 background.run_all()
         except BaseException as e:  # reported by every test that waits for it
@@ -357,6 +357,10 @@ class Batches:
                     for event in self.finished.values():
                         event.set()
                 self.lock.notify_all()
+
+    def _bodies(self) -> Background | None:
+        """The session's background tests (`in_background`), which a lane with no unit left runs too."""
+        return self.config.stash.get(BACKGROUND, None) if self.config is not None else None
 
     def _next_unit(self) -> tuple[int, list[str]] | None:
         with self.lock:
