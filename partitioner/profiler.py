@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from typing import Any
 
 import torch
 from torch import nn
 
-from partitioner.chain import ROUNDS, time_as_a_stage
+from partitioner.chain import ROUND_GAP_S, ROUNDS, time_as_a_stage
 from partitioner.companion import CompanionError, companion_devices, contention
 from partitioner.layermem import check_microbatch_fits, loss_bytes, sandbox_copy
 from partitioner.layertime import profile_layer
@@ -39,6 +41,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 # 11-15% fast and each call from an idle device over-priced microbatch 2 by 13-16%.
 DEFAULT_TIMING = {False: "idle", True: "stage"}
 CUDA_TIMINGS = ("kernels", "graphs")  # --timing values that time CUDA kernels: refused on a CPU
+WORK = ("forward_ms", "backward_ms")  # a layer's round with the least of them is kept (--rounds, unchained)
 
 
 def check_timing_device(timing: str | None, device: str) -> None:
@@ -85,7 +88,9 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     *_gemm_ms fields, so that pipeflow-plan can choose the faster (partitioner/accumulation.py).
 
     `rounds` (None: chain.ROUNDS of the device, 5 on CUDA, 1 on CPU): --timing stage times the chain that many
-    times, half a second apart, and keeps the fastest (a host whose pace moves from second to second).
+    times, half a second apart, and keeps the fastest (a host whose pace moves from second to second). Given
+    with the other timings (idle, kernels), every layer is timed that many times in turn, ROUND_GAP_S between
+    rounds, and each layer keeps its fastest round's numbers (forward + backward).
 
     `ranks_per_host` > 1: after the rest, timed alone, the model's forward and backward passes are timed alone and
     beside that many - 1 companion processes (on CUDA, one on each next GPU) running the model, as a host's other
@@ -98,6 +103,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
         raise ProfileError(f"--timing must be one of {', '.join(TIMINGS)}, found {timing!r}")
     if warmup < 0 or repeats < 1:
         raise ProfileError(f"need --warmup >= 0 and --repeats >= 1, found {warmup} and {repeats}")
+    per_layer_rounds = 1 if rounds is None or timing in ("stage", "graphs") else rounds
     rounds = ROUNDS[dev.type] if rounds is None else rounds
     if rounds < 1:
         raise ProfileError(f"--rounds must be >= 1, found {rounds}")
@@ -119,7 +125,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
     in_dtype = torch_dtype or model_dtype(model)
     name = dtype or str(in_dtype or torch.float32).removeprefix("torch.")
     cuda_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
-    layers = []
+    layers: list[dict[str, Any]] = []
     timer = Timer(dev, held=timing != "idle")  # the loss and the optimizer step: after other work in a stage
     # fork_rng restores the CPU and this GPU's generators
     with torch.random.fork_rng(devices=cuda_devices), as_a_rank(dev, threads):
@@ -127,13 +133,18 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
         x, y = MicrobatchLoader(spec.dataset, microbatch_size, seed=seed).microbatch(0)
         x = cast_floats_to(x, in_dtype)
         first = x
-        for i, layer in enumerate(spec.layers):
-            work = sandbox_copy(layer, dev, torch_dtype, fuse=fuse)
-            stats, x = profile_layer(work, x, device=dev, dtype=None, warmup=warmup, repeats=repeats, held=held)
-            del work
-            free_cached(dev)
-            stats["name"] = f"{i}:{stats['name']}"
-            layers.append(stats)
+        for r in range(per_layer_rounds):  # each layer's fastest round (an explicit --rounds, unchained)
+            x = first
+            if r:
+                time.sleep(ROUND_GAP_S)
+            for i, layer in enumerate(spec.layers):
+                work = sandbox_copy(layer, dev, torch_dtype, fuse=fuse)
+                stats, x = profile_layer(work, x, device=dev, dtype=None, warmup=warmup, repeats=repeats, held=held)
+                del work
+                free_cached(dev)
+                stats["name"] = f"{i}:{stats['name']}"
+                if r == 0 or sum(stats[k] for k in WORK) < sum(layers[i][k] for k in WORK):
+                    layers[i:i + 1] = [stats]
         try:
             target = map_tensors(y, lambda t: t.to(dev))
             peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None  # loss_bytes resets it
@@ -196,7 +207,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--rounds", type=int, default=None,
                    help="--timing stage: time the layers' chain this many times, 0.5 s apart, and keep the fastest "
-                        "(default: 5 on cuda, where the host's pace may move from second to second; 1 on cpu)")
+                        "(default: 5 on cuda, where the host's pace may move from second to second; 1 on cpu); "
+                        "with another timing, every layer that many times in turn, each keeping its fastest")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="adam",
                    help="the optimizer whose step is timed (optimizer_ms_per_byte)")

@@ -362,3 +362,32 @@ def test_a_layer_of_its_own_dtype_is_profiled_in_it() -> None:
                          warmup=0, repeats=1)
     assert len(prof.layers) == 3 and layers[1].fc.weight.dtype == torch.float32
     assert prof.layers[1].parameter_bytes == (4 * 4 + 4) * 4  # counted in its own dtype (float32)
+
+
+def test_rounds_keep_each_layer_s_fastest_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--rounds with the idle timing (CPU's): every layer timed that many times in turn, each keeping the round
+    with its least forward + backward. Without --rounds on CPU, one round. A host's slow spell that lasts a
+    whole round (seconds) then prices no layer."""
+    import partitioner.profiler as profiler
+
+    real = profiler.profile_layer
+    calls: list[int] = []
+    # per round, per layer: forward and backward ms; layer 0 fastest in round 1, layer 1 in round 2
+    drawn = [[(3.0, 6.0), (1.0, 2.0)], [(1.0, 2.0), (5.0, 9.0)], [(2.0, 4.0), (1.5, 1.0)]]
+
+    def fake(layer: Any, x: Any, **kw: Any) -> tuple[dict[str, Any], Any]:
+        stats, out = real(layer, x, **kw)
+        fwd, bwd = drawn[len(calls) // 2][len(calls) % 2]
+        calls.append(1)
+        return {**stats, "forward_ms": fwd, "backward_ms": bwd}, out
+
+    monkeypatch.setattr(profiler, "profile_layer", fake)
+    monkeypatch.setattr(profiler, "ROUND_GAP_S", 0.0)
+    spec = build_model("mlp", {"layers": 2, "hidden": 8})
+    prof = profile_model(spec, 2, "cpu", warmup=0, repeats=1, rounds=3, optimizer=None)
+    assert len(calls) == 6
+    assert [(lay.forward_ms, lay.backward_ms) for lay in prof.layers] == [(1.0, 2.0), (1.5, 1.0)]
+    assert [lay.name.split(":")[0] for lay in prof.layers] == ["0", "1"]
+    calls.clear()
+    one = profile_model(spec, 2, "cpu", warmup=0, repeats=1, optimizer=None)
+    assert len(calls) == 2 and [(lay.forward_ms, lay.backward_ms) for lay in one.layers] == [(3.0, 6.0), (1.0, 2.0)]

@@ -51,6 +51,7 @@ CASES = [
 CONCURRENT = False  # --concurrent-profile
 TIMING = "idle"  # --timing
 PICK = "fastest"  # --pick: which calibration reading is kept
+ROUNDS = 3  # --rounds: pipeflow-profile --rounds
 STEADY = re.compile(r"steady state \(steps \d+-\d+\): ([\d.]+) samples/s")
 
 
@@ -83,7 +84,7 @@ def profile(model: str, args: dict[str, object], b: int, ranks: int, tmp: Path) 
     bandwidth (README, "What remains")."""
     run([sys.executable, "-m", "partitioner.profiler", "--model", model, "--model-args", json.dumps(args),
          "--microbatch-size", str(b), "--device", "cpu", "--threads", "1", "--repeats", "10", "--timing", TIMING,
-         "--ranks-per-host", str(ranks), "-o", "profile.json"], tmp)
+         "--rounds", str(ROUNDS), "--ranks-per-host", str(ranks), "-o", "profile.json"], tmp)
 
 
 def profile_and_plan(model: str, args: dict[str, object], workers: int, b: int, m: int, schedule: str, tmp: Path,
@@ -200,7 +201,8 @@ def global_batch(runtime: dict[str, float], g: int, sizes: list[int], runs: int)
         wait_idle()
         run([py, "-m", "partitioner.profiler", "--model", model, "--model-args", json.dumps(args),
              "--microbatch-sizes", ",".join(map(str, sizes)), "--device", "cpu", "--threads", "1", "--repeats",
-             "10", "--timing", TIMING, "--ranks-per-host", str(workers if CONCURRENT else 1), "-o", "profile.json"],
+             "10", "--timing", TIMING, "--rounds", str(ROUNDS),
+             "--ranks-per-host", str(workers if CONCURRENT else 1), "-o", "profile.json"],
             tmp)
         whole = {**json.loads((tmp / "profile.json").read_text()), **runtime}
         (tmp / "all.json").write_text(json.dumps(whole))
@@ -251,14 +253,17 @@ def main() -> None:
     p.add_argument("--pick", choices=("fastest", "median"), default="fastest",
                    help="the calibration reading kept whole: the run whose traced straight pipeline stepped fastest "
                         "(default) or the median one")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="pipeflow-profile --rounds for every profile: each layer timed in that many rounds, half a "
+                        "second apart, its fastest kept (default 3; 1: one round, as before 2026-12-04)")
     p.add_argument("--trials", type=int, default=1,
                    help="the whole method (calibration, then every case profiled, planned and trained) this many "
                         "times, each case's median error printed after (the host's pace moves between runs)")
     a = p.parse_args()
     if a.trials < 1:
         p.error(f"--trials must be >= 1, found {a.trials}")
-    global CONCURRENT, TIMING, PICK
-    CONCURRENT, TIMING, PICK = a.concurrent_profile, a.timing, a.pick
+    global CONCURRENT, TIMING, PICK, ROUNDS
+    CONCURRENT, TIMING, PICK, ROUNDS = a.concurrent_profile, a.timing, a.pick, a.rounds
     errors: dict[int, list[tuple[float, float]]] = {}  # case -> (profile only, calibrated) error, per trial
     for trial in range(a.trials):
         if a.trials > 1:
