@@ -144,7 +144,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
                 free_cached(dev)
                 stats["name"] = f"{i}:{stats['name']}"
                 if r == 0 or sum(stats[k] for k in WORK) < sum(layers[i][k] for k in WORK):
-                    layers[i:i + 1] = [stats]
+                    layers[i:i + 1] = [stats]  # the first round appends, a faster one replaces
         try:
             target = map_tensors(y, lambda t: t.to(dev))
             peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None  # loss_bytes resets it

@@ -158,11 +158,11 @@ def calibration(tmp: Path, runs: int, updates: bool = False, contrast: bool = Tr
              "--microbatches", str(m), "--straight", "-o", "straight.json"], c)
     readings: list[tuple[float, dict[str, float]]] = []  # (the traced straight run's step ms, its reading)
     for k in range(runs):
-        stepped = 0.0
+        stepped_ms = []
         for plan in plans:
             (tmp / f"trace-{plan}").unlink(missing_ok=True)  # a resumed trace appends: each run its own
-            ms = train(model, args, workers, b, m, steps, plan, tmp, "--trace", f"trace-{plan}")
-            stepped = stepped or ms  # plans[0]: the straight pipeline
+            stepped_ms.append(train(model, args, workers, b, m, steps, plan, tmp, "--trace", f"trace-{plan}"))
+        stepped = stepped_ms[0]  # plans[0]: the straight pipeline
         also = [x for plan in plans[1:] for x in ("--also", "profile.json", plan, f"trace-{plan}")]
         if contrast:
             (tmp / "contrast" / "trace.json").unlink(missing_ok=True)
@@ -308,6 +308,7 @@ def cases(a: argparse.Namespace, runtime: dict[str, float]) -> Iterator[tuple[fl
         print(f"| {model} {json.dumps(args)} | {workers} | {schedule} | {b} x {m} | {shape} | {old:.2f} | {new:.2f} | "
               f"{meas:.2f} | {100 * (old / meas - 1):+.0f}% | {100 * (new / meas - 1):+.0f}% |", flush=True)
         yield old / meas - 1, new / meas - 1
+
 
 if __name__ == "__main__":
     main()
