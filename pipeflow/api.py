@@ -99,6 +99,7 @@ class Pipeline:
         from pipeflow.config import check_clip_grad_norm
         from pipeflow.engine import Engine
         from pipeflow.planning import check_model_on_plan, replicated_statistics
+        from pipeflow.trainable import TrainableWatch
 
         if microbatches is not None and microbatches < 1:
             raise ValueError(f"Pipeline: microbatches must be >= 1, found {microbatches}")
@@ -122,6 +123,7 @@ class Pipeline:
         self.step_count = 0  # minibatches trained: the next step's data index (a resumed run sets it)
         self.unread = 0      # minibatches whose losses take_loss has not read yet
         self.in_step = False  # inside step() or run_segment() (or after one that failed): no evaluate()
+        self.trainable = TrainableWatch(self.engine)  # requires_grad changed between steps of your loop
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -145,6 +147,7 @@ class Pipeline:
             if target is None and self.engine.stage.last:
                 raise ValueError("Pipeline.step needs target= on the last stage's ranks (the loss's input)")
             self.feed.set(self.step_count, x, target)
+            self.trainable.check(self.step_count)  # collective: what any rank froze or unfroze since the last step
         elif x is not None or target is not None:
             raise ValueError("this Pipeline reads its data from the loader it was built with; call step()")
         self.in_step = True  # until the step ends: evaluate() refuses to run inside it

@@ -66,7 +66,7 @@ class Engine:
         self.ties = find_ties(spec.layers, [st.layers for st in plan.stages], [st.ranks for st in plan.stages])
         if self.ties and not self.kind.ties_allowed:
             raise ValueError(tied_async_error(self.ties, schedule))
-        links = make_links(world, plan, self.ties)
+        self.links = links = make_links(world, plan, self.ties)  # trainable.py builds the reducers again
         self.replica_groups, self.loss_group = links.replica_groups, links.loss_group
         self.p2p = P2P(world, links.p2p, window=send_window(self.sched))
         self.p2p.warm_up(links.reduce_keys)  # with the replicas' copy-engine channels (PIPEFLOW_REDUCE=ce)

@@ -42,8 +42,14 @@ def shape_change(dst: int, before: Any, now: Any, signature: Any) -> OutputError
     """The error for tensors between stages whose shapes changed for inputs of the same shapes (comm.P2P's meta,
     sent once per input signature: the receiver posts its receives from it). A data-dependent shape (x[mask]) does
     that; DeepSpeed's and torch's pipelines require static shapes between stages too."""
-    def shapes(meta: Any) -> str:
-        return ", ".join(f"{tuple(s)} {str(d).removeprefix('torch.')}" for s, d, _ in meta[0])
+    def shapes(meta: Any, grad: bool = False) -> str:
+        return ", ".join(f"{tuple(s)} {str(d).removeprefix('torch.')}" + (" requiring grad" if grad and g else "")
+                         for s, d, g in meta[0])
+    if shapes(before) == shapes(now) and before[1] == now[1]:  # what changed is requires_grad
+        return OutputError(f"the tensors sent to rank {dst} changed from [{shapes(before, True)}] to "
+                           f"[{shapes(now, True)}] for inputs of the same shapes {signature}: whether they require "
+                           "grad must not change between microbatches of one step (a stage's output detached for some "
+                           "only); between the steps of your own loop, Pipeline follows a change of requires_grad")
     return OutputError(f"the tensors sent to rank {dst} changed from [{shapes(before)}] to "
                        f"[{shapes(now)}] (or their structure) for inputs of the same shapes {signature}; what crosses "
                        "a stage boundary must depend on the input's shapes only: keep a data-dependent shape, as "
