@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hosts", help="NAME[:SLOTS],... e.g. h1:4,h2:4; ranks fill hosts in order (default: this machine)")
     p.add_argument("--mpirun", help="mpirun to use (default: the one next to this Python, else on PATH)")
     p.add_argument("--mpi", default="auto", choices=("auto", *FLAVOURS),
-                   help="MPI flavour (default: auto, from `mpirun --version`)")
+                   help="MPI flavour (default: auto, from `mpirun --version`; one given must agree with it, but "
+                        "under --dry-run)")
     p.add_argument("--env", action="extend", nargs="+", default=[], metavar="NAME=VALUE",
                    help="set on every rank (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")
@@ -90,6 +91,24 @@ def detect_flavour(mpirun: str) -> Flavour:
                       f"in `mpirun --version`, found {first!r}; pass --mpi mpich or --mpi openmpi")
 
 
+def resolve_flavour(mpirun: str, given: str, *, launching: bool) -> Flavour:
+    """--mpi: `auto` detects it; a flavour given is checked against the mpirun that will run the job (a dry run may
+    print a command for another machine's MPI), and taken as given where `mpirun --version` cannot tell."""
+    if given == "auto":
+        return detect_flavour(mpirun)
+    flavour: Flavour = "openmpi" if given == "openmpi" else "mpich"
+    if launching:
+        try:
+            found = detect_flavour(mpirun)
+        except LaunchError:
+            return flavour
+        if found != flavour:
+            raise LaunchError(f"--mpi {given}, but `{mpirun} --version` says it is {found}: expected the flavour of "
+                              f"the mpirun that runs the job; pass --mpi {found} (or auto), or point --mpirun at the "
+                              f"{given} one")
+    return flavour
+
+
 def parse_env(items: Sequence[str]) -> dict[str, str]:
     env: dict[str, str] = {}
     for item in items:
@@ -114,7 +133,7 @@ def build(args: argparse.Namespace, train_args: Sequence[str]) -> list[str]:
     # Absolute, so ranks started elsewhere (other hosts, another -wdir) find the same file.
     train = train_command(program, os.path.abspath(args.plan), train_args)
     mpirun = find_mpirun(args.mpirun)
-    flavour: Flavour = detect_flavour(mpirun) if args.mpi == "auto" else args.mpi
+    flavour = resolve_flavour(mpirun, args.mpi, launching=not args.dry_run)
     return mpirun_command(mpirun=mpirun, flavour=flavour, workers=plan.workers, hosts=hosts,
                           env=rank_env(environ=os.environ, extra=env), program=train,
                           as_root=hasattr(os, "geteuid") and os.geteuid() == 0, cpu_count=os.cpu_count())

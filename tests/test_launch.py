@@ -177,6 +177,26 @@ def test_dry_run_openmpi_detected(launch_main, tmp_path: Path) -> None:
     assert r.stdout == shlex.join(expected) + "\n"
 
 
+def test_a_flavour_given_that_the_mpirun_contradicts_is_refused_before_it_runs(launch_main, tmp_path: Path) -> None:
+    """--mpi openmpi with MPICH's mpirun ran it with Open MPI's flags: four lines of Hydra's parse errors, exit 255.
+    A dry run may print a command for another machine's MPI; a flavour `--version` cannot tell is taken as given."""
+    ran = tmp_path / "ran"
+    fake = tmp_path / "mpirun"
+    fake.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && echo 'HYDRA build details:' && exit 0\ntouch {ran}\n")
+    fake.chmod(0o755)
+    plan = write_plan(tmp_path / "plan.json", 2)
+    r = launch_main("--plan", str(plan), "--mpirun", str(fake), "--mpi", "openmpi", "--", "--steps", "1")
+    assert (r.returncode, r.stdout, ran.exists()) == (2, "", False)
+    assert r.stderr == (f"pipeflow-launch: error: --mpi openmpi, but `{fake} --version` says it is mpich: expected the "
+                        "flavour of the mpirun that runs the job; pass --mpi mpich (or auto), or point --mpirun at the "
+                        "openmpi one\n")
+    r = launch_main("--plan", str(plan), "--mpirun", str(fake), "--mpi", "openmpi", "--dry-run", "--", "--steps", "1")
+    assert r.returncode == 0 and r.stdout.startswith(f"{fake} -np 2 "), r.stderr
+    fake.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && exit 0\ntouch {ran}\n")  # says nothing: --mpi decides
+    r = launch_main("--plan", str(plan), "--mpirun", str(fake), "--mpi", "mpich", "--", "--steps", "1")
+    assert r.returncode == 0 and ran.exists(), r.stderr
+
+
 def test_missing_plan(launch_main, tmp_path: Path) -> None:
     r = launch_main("--plan", str(tmp_path / "nope.json"), "--dry-run")
     assert r.returncode == 2
