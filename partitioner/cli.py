@@ -18,11 +18,13 @@ from collections.abc import Sequence
 from partitioner.accumulation import gemm_variant, plan_accumulation
 from partitioner.auto import AUTO, candidates_table, plan_schedule
 from partitioner.batch import global_batch_table, plan_global_batch
-from partitioner.inputs import check_microbatches, resolve_topology
+from partitioner.inputs import check_microbatches, check_workers, resolve_topology, virtual_stages
+from partitioner.outputs import check_output, same_file
 from partitioner.plan import Plan, PlanError, even_plan
 from partitioner.planner import OPTIMIZER_STATES, SCHEDULES, PlanningError
 from partitioner.profile import Profile, ProfileError
 from partitioner.service import Planned, evaluate_plan
+from partitioner.timeline import check_format, draw
 from partitioner.topology import TopologyError, format_bytes
 from pipeflow.kinds import DEFAULT_VIRTUAL_STAGES, schedule_kind
 from pipeflow.warmup import least_warmups
@@ -84,9 +86,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=None,
                    help="samples per step G: choose the microbatch size b (among the profile's sizes) and m = G / b")
     p.add_argument("--straight", action="store_true", help="no replicated stages")
-    p.add_argument("--virtual-stages", type=int, default=DEFAULT_VIRTUAL_STAGES, metavar="V",
+    p.add_argument("--virtual-stages", type=int, default=None, metavar="V",
                    help="--schedule interleaved: model chunks per rank, placed round-robin (default "
-                        f"{DEFAULT_VIRTUAL_STAGES}); "
+                        f"{DEFAULT_VIRTUAL_STAGES}; --evaluate: the plan's); "
                         "--microbatches must be a multiple of --workers")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES), default="adam")
     p.add_argument("--shard-optimizer", action="store_true",
@@ -100,26 +102,51 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "it: layer counts per stage, e.g. 14,12 (a rank each; with interleaved, --virtual-stages "
                         "chunks per rank, round-robin), or 'even' with --workers; needs --microbatches M")
     p.add_argument("-o", "--output", required=True, help="plan.json to write")
-    p.add_argument("--timeline", default=None, help="draw the simulated schedule to this PNG")
+    p.add_argument("--timeline", default=None,
+                   help="draw the simulated schedule to this PNG (or .pdf, .svg: a format matplotlib writes)")
     return p.parse_args(argv)
 
 
 def _microbatches(text: str) -> int | str:
     if text == "auto":
         return text
-    if not text.isdigit() or int(text) < 1:
+    if not text.isascii() or not text.isdigit() or int(text) < 1:
         raise PlanningError(f"--microbatches must be a positive integer or 'auto', found {text!r}")
     m = int(text)
     check_microbatches(m)
     return m
 
 
+def _check_paths(args: argparse.Namespace) -> None:
+    """-o and --timeline before anything is read or planned: files that can be written, neither an input nor
+    each other (--evaluate X -o X prices the plan in place: allowed)."""
+    check_output(args.output, "-o", PlanningError)
+    if same_file(args.output, args.profile):
+        raise PlanningError(f"-o {args.output} is the profile pipeflow-plan reads: the plan would overwrite it; "
+                            "write the plan to another file")
+    if args.timeline is None:
+        return
+    check_output(args.timeline, "--timeline", PlanningError)
+    for other, what in ((args.output, "the plan -o writes"), (args.profile, "the profile pipeflow-plan reads"),
+                        (args.evaluate, "the plan --evaluate reads")):
+        if other is not None and same_file(args.timeline, other):
+            raise PlanningError(f"--timeline {args.timeline} is {what}: the drawing would overwrite it; draw to "
+                                "another file")
+    check_format(args.timeline)
+
+
 def _evaluate(args: argparse.Namespace, profile: Profile) -> Planned:
     plan = Plan.load(args.evaluate)
+    check_workers(plan.workers, f"{args.evaluate}: plan.workers")  # the planner's limits, named as the file has them
+    check_microbatches(plan.microbatches, f"{args.evaluate}: plan.microbatches")
     if args.shard_optimizer:
         plan.extra["shard_optimizer"] = True
+    if args.virtual_stages is not None:
+        virtual_stages(args.virtual_stages, plan.schedule)
+    m = None if args.microbatches is None else _microbatches(args.microbatches)  # 08 is 8
     for flag, given, own in (("--workers", args.workers, plan.workers), ("--schedule", args.schedule, plan.schedule),
-                             ("--microbatches", args.microbatches, str(plan.microbatches))):
+                             ("--microbatches", m, plan.microbatches),
+                             ("--virtual-stages", args.virtual_stages, plan.virtual_stages)):
         if given is not None and given != own:
             raise PlanError(f"{flag} {given} differs from the plan's {own} ({args.evaluate}); drop {flag} "
                             "to evaluate the plan as written")
@@ -147,9 +174,10 @@ def _split(args: argparse.Namespace, profile: Profile) -> Planned:
         raise PlanError("--layers-per-stage prices one plan: give --microbatches M")
     m = _microbatches(args.microbatches)
     assert isinstance(m, int)  # "auto" refused above
-    schedule = args.schedule or "1f1b"
-    v = args.virtual_stages if schedule_kind(schedule).chunk_order is not None else 1
+    schedule, v = args.schedule or "1f1b", args.virtual_stages
     counts, workers = None, args.workers
+    if workers is not None:
+        check_workers(workers)
     if args.layers_per_stage != "even":
         try:
             counts = [int(x) for x in args.layers_per_stage.split(",")]
@@ -171,11 +199,23 @@ def _split(args: argparse.Namespace, profile: Profile) -> Planned:
                                                         keep_timeline=args.timeline is not None), profile)
 
 
+def _draw(planned: Planned, path: str) -> str | None:
+    """Draw the timeline to `path`; None, or the first line of why matplotlib could not."""
+    try:
+        draw(planned, path)
+    except (ValueError, RuntimeError, OSError) as e:
+        return (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        _check_paths(args)
         if args.evaluate is not None and args.layers_per_stage is not None:
             raise PlanningError("give one of --evaluate PLAN and --layers-per-stage COUNTS")
+        if args.evaluate is None:
+            args.virtual_stages = virtual_stages(args.virtual_stages, args.schedule or "1f1b")
         if args.evaluate is None and args.layers_per_stage is None:
             if args.workers is None:
                 raise PlanningError("--workers is required (or --evaluate PLAN)")
@@ -200,10 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 planned = plan_schedule(profile, args.workers, schedule=args.schedule or "1f1b", microbatches=mb,
                                         **common)
-        if args.timeline:
-            from partitioner.timeline import draw
-            draw(planned, args.timeline)
-        planned.plan.save(args.output)
+        planned.plan.save(args.output)  # before the drawing: a drawing that fails loses no plan
     except (PlanningError, TopologyError, ProfileError, PlanError, OSError) as e:
         print(f"pipeflow-plan: error: {e}", file=sys.stderr)
         return 2
@@ -211,7 +248,12 @@ def main(argv: list[str] | None = None) -> int:
         if text:
             print(text)
     print(table(planned))
-    print(f"wrote {args.output}" + (f" and {args.timeline}" if args.timeline else ""))
+    failed = None if args.timeline is None else _draw(planned, args.timeline)
+    print(f"wrote {args.output}" + (f" and {args.timeline}" if args.timeline is not None and failed is None else ""))
+    if failed is not None:
+        print(f"pipeflow-plan: error: wrote {args.output} but could not draw --timeline {args.timeline}: {failed}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -14,10 +15,28 @@ from typing import IO, Any
 Field = type | tuple[type, ...] | Callable[[Any], bool] | None
 
 
+# Valid JSON that Python's parser refuses, reported as a JSONDecodeError with these messages: it recurses once per
+# level of nesting ('[' * 100000 raises RecursionError) and converts integers of at most 4300 digits (ValueError).
+_TOO_DEEP = f"arrays or objects nested too deeply to read (at most about {sys.getrecursionlimit()} levels)"
+_TOO_LONG = f"holds an integer of more than {sys.get_int_max_str_digits()} digits"
+
+
+def _parse(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        raise json.JSONDecodeError(_TOO_DEEP, text, 0) from None
+    except ValueError:
+        raise json.JSONDecodeError(_TOO_LONG, text, 0) from None
+
+
 def load_json(path: str | Path) -> Any:
-    """The parsed JSON of `path`, errors as raised (OSError, UnicodeDecodeError, json.JSONDecodeError): for
-    readers that word their own message (the checkpoint marker, the --checkpoint-dir lock file)."""
-    return json.loads(Path(path).read_text())
+    """The parsed JSON of `path`, errors as raised (OSError, UnicodeDecodeError, json.JSONDecodeError, also for
+    a file nested too deeply or holding too long an integer): for readers that word their own message (the
+    checkpoint marker, the --checkpoint-dir lock file)."""
+    return _parse(Path(path).read_text())
 
 
 def read_json(path: str | Path, what: str, error: type[ValueError]) -> Any:
@@ -29,9 +48,29 @@ def read_json(path: str | Path, what: str, error: type[ValueError]) -> Any:
     except UnicodeDecodeError as e:
         raise error(f"{path}: not a text file ({e.reason} at byte {e.start}); expected {what}") from None
     try:
-        return json.loads(text)
+        return _parse(text)
     except json.JSONDecodeError as e:
+        if e.msg in (_TOO_DEEP, _TOO_LONG):
+            raise error(f"{path}: {e.msg}; expected {what}") from None
         raise error(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def show(v: Any, *, write: Callable[[Any], str] = json.dumps) -> str:
+    """A value as it appears in JSON (or as `write`, e.g. repr, writes it), cut short: for messages that print
+    what a file held (1e400, a list of thousands, a value nested a thousand levels deep)."""
+    try:
+        try:
+            text = write(v)
+        except (TypeError, ValueError):  # not JSON: as Python writes it
+            text = repr(v)
+    except RecursionError:
+        text = "(a value nested too deeply to show)"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def show_repr(v: Any) -> str:
+    """A value as Python writes it ('fused', [2]), cut short as show() cuts it."""
+    return show(v, write=repr)
 
 
 def _accepts(rule: Field, value: Any) -> bool:
@@ -43,7 +82,7 @@ def _accepts(rule: Field, value: Any) -> bool:
 
 
 def field_problem(d: Mapping[str, Any], fields: Mapping[str, Field], *, optional: Collection[str] = (),
-                  show: Callable[[Any], str] = repr) -> str | None:
+                  show: Callable[[Any], str] = show_repr) -> str | None:
     """The first field of `d` that breaks the table `fields`, as "missing field 'k'" or "field 'k' must be
     int, found 'x'" (`show` writes the value), or None when all hold; `optional` fields may be absent."""
     for key, rule in fields.items():
@@ -59,7 +98,7 @@ def field_problem(d: Mapping[str, Any], fields: Mapping[str, Field], *, optional
 
 
 def check_fields(d: Any, fields: Mapping[str, Field], *, source: str, error: type[ValueError],
-                 format: str | None = None, show: Callable[[Any], str] = repr) -> dict[str, Any]:
+                 format: str | None = None, show: Callable[[Any], str] = show_repr) -> dict[str, Any]:
     """`d` as a JSON object whose "format" is `format` (when given) and whose fields hold the table `fields`;
     otherwise `error` with one line: "{source}: expected a JSON object, found list", "{source}: format is
     'x', expected 'pipeflow.plan/1'", "{source}: missing field 'k'", "{source}: field 'k' must be int, found 'x'"."""

@@ -5,11 +5,12 @@ stage k has the ranks of stage k mod S, which is how a reader tells S (the first
 ranks) and v."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from partitioner.jsonfile import check_fields, read_json, write_json
+from partitioner.jsonfile import check_fields, read_json, show_repr, write_json
 from pipeflow.kinds import WARMUP_SCHEDULES
 from pipeflow.schedule import SCHEDULES, schedule_kind
 
@@ -30,10 +31,11 @@ class StagePlan:
     def __post_init__(self) -> None:
         self.layers = (int(self.layers[0]), int(self.layers[1]))
         if self.layers[0] >= self.layers[1]:
-            raise PlanError(f"stage layers {list(self.layers)} are empty: expected [start, end) with start < end")
+            raise PlanError(f"stage layers {show_repr(list(self.layers))} are empty: expected [start, end) with "
+                            "start < end")
         if self.replicas != len(self.ranks):
-            raise PlanError(f"stage with layers {list(self.layers)} has replicas={self.replicas} "
-                            f"but {len(self.ranks)} ranks {self.ranks}")
+            raise PlanError(f"stage with layers {show_repr(list(self.layers))} has replicas={show_repr(self.replicas)} "
+                            f"but {len(self.ranks)} ranks {show_repr(self.ranks)}")
 
 
 @dataclass
@@ -96,7 +98,7 @@ class Plan:
 
     def validate(self, *, num_layers: int | None = None, world_size: int | None = None) -> None:
         if self.schedule not in SCHEDULES:
-            raise PlanError(f"plan.schedule must be one of {', '.join(SCHEDULES)}, found {self.schedule!r}")
+            raise PlanError(f"plan.schedule must be one of {', '.join(SCHEDULES)}, found {show_repr(self.schedule)}")
         if self.microbatches < 1:
             raise PlanError(f"plan.microbatches must be >= 1, found {self.microbatches}")
         if not self.stages:
@@ -104,30 +106,35 @@ class Plan:
         start = 0
         for s, st in enumerate(self.stages):
             if st.layers[0] != start:
-                raise PlanError(f"plan.stages[{s}].layers starts at {st.layers[0]}, expected {start}: "
-                                "stages must cover the layers in order without gaps or overlaps")
+                raise PlanError(f"plan.stages[{s}].layers starts at {show_repr(st.layers[0])}, expected "
+                                f"{show_repr(start)}: stages must cover the layers in order without gaps or overlaps")
             start = st.layers[1]
+        if self.workers < 1:
+            raise PlanError(f"plan.workers must be >= 1, found {self.workers}")
         ranks = [r for st in self.stages for r in st.ranks]
-        dup = sorted({r for r in ranks if ranks.count(r) > 1})
+        dup = _repeated(ranks)
         if dup and self._round_robin():
             if schedule_kind(self.schedule).chunk_order is None:
-                raise PlanError(f"plan lists ranks {dup} more than once: stage k on the ranks of stage k mod "
-                                f"{self.groups} places chunks round-robin, which only --schedule interleaved runs, "
+                raise PlanError(f"plan lists ranks {show_repr(dup)} more than once: stage k on the ranks of stage k "
+                                f"mod {self.groups} places chunks round-robin, which only --schedule interleaved runs, "
                                 f"found {self.schedule!r}")
             ranks = [r for st in self.stages[:self.groups] for r in st.ranks]
-            dup = sorted({r for r in ranks if ranks.count(r) > 1})
+            dup = _repeated(ranks)
         if dup:
-            raise PlanError(f"plan lists ranks {dup} more than once; every rank must appear exactly once")
-        if sorted(ranks) != list(range(self.workers)):
-            raise PlanError(f"plan.workers={self.workers} but the stages' ranks are {sorted(ranks)}; "
-                            f"expected each of 0..{self.workers - 1} exactly once")
+            raise PlanError(f"plan lists ranks {show_repr(dup)} more than once; every rank must appear exactly once")
+        # distinct ranks, as many as workers, all in [0, workers): each of them once (no list as long as workers)
+        if len(ranks) != self.workers or not 0 <= min(ranks, default=0) <= max(ranks, default=0) < self.workers:
+            raise PlanError(f"plan.workers={show_repr(self.workers)} but the stages' ranks are "
+                            f"{show_repr(sorted(ranks))}; expected each of 0..{show_repr(self.workers - 1)} exactly "
+                            "once")
         if num_layers is not None and start != num_layers:
-            raise PlanError(f"plan covers layers [0, {start}) but the model has {num_layers} layers")
+            raise PlanError(f"plan covers layers [0, {show_repr(start)}) but the model has {num_layers} layers")
         if self.extra.get("accumulation", "autograd") not in ACCUMULATIONS:
             raise PlanError(f"plan.accumulation must be one of {', '.join(ACCUMULATIONS)}, found "
-                            f"{self.extra['accumulation']!r}")
+                            f"{show_repr(self.extra['accumulation'])}")
         if not isinstance(self.extra.get("shard_optimizer", False), bool):
-            raise PlanError(f"plan.shard_optimizer must be true or false, found {self.extra['shard_optimizer']!r}")
+            raise PlanError("plan.shard_optimizer must be true or false, found "
+                            f"{show_repr(self.extra['shard_optimizer'])}")
         warmup = self.extra.get("warmup")
         if warmup is not None:
             if not schedule_kind(self.schedule).warmup_applies:
@@ -135,7 +142,7 @@ class Plan:
             if (not isinstance(warmup, list) or len(warmup) != self.groups
                     or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in warmup)):
                 raise PlanError(f"plan.warmup must be {self.groups} non-negative integers (forwards before the "
-                                f"first backward, one per stage), found {warmup!r}")
+                                f"first backward, one per stage), found {show_repr(warmup)}")
         if world_size is not None and world_size != self.workers:
             raise PlanError(f"plan is for {self.workers} workers but {world_size} processes were started; "
                             f"run mpirun -np {self.workers}")
@@ -173,33 +180,45 @@ class Plan:
         for s, st in enumerate(d["stages"]):
             where = f"{source}: stages[{s}]"
             if not isinstance(st, dict):
-                raise PlanError(f"{where}: expected an object, found {st!r}")
+                raise PlanError(f"{where}: expected an object, found {show_repr(st)}")
             layers, replicas, ranks = st.get("layers"), st.get("replicas", 1), st.get("ranks")
             if (not isinstance(layers, list) or len(layers) != 2
                     or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers)):
-                raise PlanError(f"{where}.layers must be [start, end) of two non-negative integers, found {layers!r}")
+                raise PlanError(f"{where}.layers must be [start, end) of two non-negative integers, found "
+                                f"{show_repr(layers)}")
             if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
-                raise PlanError(f"{where}.replicas must be a positive integer, found {replicas!r}")
+                raise PlanError(f"{where}.replicas must be a positive integer, found {show_repr(replicas)}")
             if (not isinstance(ranks, list)
                     or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)):
-                raise PlanError(f"{where}.ranks must be a list of non-negative integers, found {ranks!r}")
+                raise PlanError(f"{where}.ranks must be a list of non-negative integers, found {show_repr(ranks)}")
             try:
                 stages.append(StagePlan((layers[0], layers[1]), replicas, list(ranks)))
             except PlanError as e:
                 raise PlanError(f"{where}: {e}") from None
         predicted = d.get("predicted", {})
         if not isinstance(predicted, dict):
-            raise PlanError(f"{source}: field 'predicted' must be an object, found {predicted!r}")
+            raise PlanError(f"{source}: field 'predicted' must be an object, found {show_repr(predicted)}")
         known = {"format", "schedule", "microbatches", "workers", "stages", "predicted"}
         extra = {k: v for k, v in d.items() if k not in known}
         try:
-            return cls(d["schedule"], d["microbatches"], d["workers"], stages, predicted, extra)
+            plan = cls(d["schedule"], d["microbatches"], d["workers"], stages, predicted, extra)
         except PlanError as e:
             raise PlanError(f"{source}: {e}") from None
+        if plan.warmup is not None and max(plan.warmup) > plan.microbatches:
+            # A stage runs at most m forwards before its first backward: a count past m means m (pipeflow-plan wrote
+            # some before it capped them), and 10**400 is not printed back. Here, not in validate: --microbatches may
+            # lower m after reading, and the runtime caps the counts itself.
+            plan.extra["warmup"] = [min(w, plan.microbatches) for w in plan.warmup]
+        return plan
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         return cls.from_json(read_json(path, "plan.json", PlanError), source=str(path))
+
+
+def _repeated(ranks: list[int]) -> list[int]:
+    """The ranks listed more than once, sorted (in linear time: a plan may list thousands)."""
+    return sorted(r for r, n in Counter(ranks).items() if n > 1)
 
 
 def even_plan(num_layers: int, stages: int, *, schedule: str, microbatches: int,

@@ -141,7 +141,8 @@ def tune_warmup(lay: LayerCosts, topology: Topology, schedule: str, microbatches
     least = least_warmups(reps)
     best: list[int] | None = None
     for extra in range(1, microbatches):
-        counts = [w + (extra if s < S - 1 else 0) for s, w in enumerate(least)]  # past m: no change, no gain
+        # past m no change (a stage runs at most m forwards first), and plan.json refuses counts over m
+        counts = [min(microbatches, w + (extra if s < S - 1 else 0)) for s, w in enumerate(least)]
         try:
             c2, s2 = price(lay, topology, schedule, microbatches, ranges, ranks, optimizer=optimizer,
                            keep_timeline=keep_timeline, warmup=counts)

@@ -35,13 +35,12 @@ one-size profile.
 from __future__ import annotations
 
 import copy
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from partitioner.jsonfile import check_fields, field_problem, read_json, write_json
+from partitioner.jsonfile import check_fields, field_problem, read_json, show, write_json
 
 PROFILE_FORMAT = "pipeflow.profile/1"
 LAYER_NUMBERS = ("forward_ms", "backward_ms", "output_bytes", "activation_bytes", "parameter_bytes")
@@ -57,6 +56,10 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 # (a time of 1e308 ms overflows to inf once multiplied by m and used to look like "no plan").
 MAX_MS = 1e9  # 11.6 days for one layer and one microbatch
 MAX_BYTES = 2.0**60  # 1 EiB
+# Lower bound of a plausible bandwidth (bytes/s, a profile's link_bandwidth and --topology's levels): 1 kB/s, below
+# any network link (a 56k modem moves 7 kB/s) and below the all-reduce partitioner.calibrate reads from a tiny
+# model's trace, so only a slip of the unit (1e-30GB/s) is refused; MAX_BYTES over it, 1.2e18 ms, stays finite.
+MIN_BANDWIDTH = 1e3
 
 
 class ProfileError(ValueError):
@@ -64,7 +67,8 @@ class ProfileError(ValueError):
 
 
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A JSON number that is finite: an int always is (math.isfinite overflows on one past float's range)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and (isinstance(x, int) or math.isfinite(x))
 
 
 @dataclass
@@ -87,17 +91,17 @@ class LayerProfile:
 
     def check(self, where: str = "layer") -> None:
         if not isinstance(self.name, str):
-            raise ProfileError(f"{where}.name must be a string, found {self.name!r}")
+            raise ProfileError(f"{where}.name must be a string, found {show(self.name)}")
         for key in LAYER_NUMBERS + OPTIONAL_LAYER_NUMBERS:
             v = getattr(self, key)
             if v is None and key in OPTIONAL_LAYER_NUMBERS:
                 continue
             if not _is_number(v) or v < 0:
-                raise ProfileError(f"{where}.{key} must be a non-negative number, found {_show(v)}")
+                raise ProfileError(f"{where}.{key} must be a non-negative number, found {show(v)}")
             limit = MAX_MS if key.endswith("_ms") else MAX_BYTES
             if v > limit:
                 raise ProfileError(f"{where}.{key} must be at most {limit:g} "
-                                   f"({'ms' if key.endswith('_ms') else 'bytes'}), found {_show(v)}")
+                                   f"({'ms' if key.endswith('_ms') else 'bytes'}), found {show(v)}")
 
 
 @dataclass
@@ -147,55 +151,63 @@ class Profile:
 
     def validate(self, source: str = "profile") -> None:
         if not isinstance(self.model, str) or not self.model:
-            raise ProfileError(f"{source}: model must be a non-empty string, found {_show(self.model)}")
+            raise ProfileError(f"{source}: model must be a non-empty string, found {show(self.model)}")
         if not isinstance(self.model_args, dict):
-            raise ProfileError(f"{source}: model_args must be an object, found {_show(self.model_args)}")
+            raise ProfileError(f"{source}: model_args must be an object, found {show(self.model_args)}")
         if not isinstance(self.device, str) or not self.device:
-            raise ProfileError(f"{source}: device must be a non-empty string, found {_show(self.device)}")
+            raise ProfileError(f"{source}: device must be a non-empty string, found {show(self.device)}")
         if self.dtype not in DTYPES:
-            raise ProfileError(f"{source}: dtype must be one of {', '.join(DTYPES)}, found {_show(self.dtype)}")
+            raise ProfileError(f"{source}: dtype must be one of {', '.join(DTYPES)}, found {show(self.dtype)}")
         mb = self.microbatch_size
         if not isinstance(mb, int) or isinstance(mb, bool) or mb < 1:
-            raise ProfileError(f"{source}: microbatch_size must be a positive integer, found {_show(mb)}")
+            raise ProfileError(f"{source}: microbatch_size must be a positive integer, found {show(mb)}")
+        if mb > MAX_BYTES:  # a sample takes a byte at least
+            raise ProfileError(f"{source}: microbatch_size must be at most {MAX_BYTES:g}, found {show(mb)}")
         if not self.layers:
             raise ProfileError(f"{source}: layers is empty: expected one entry per model layer")
         for i, layer in enumerate(self.layers):
             layer.check(f"{source}: layers[{i}]")
         if self.loss_ms is not None and (not _is_number(self.loss_ms) or not 0 <= self.loss_ms <= MAX_MS):
-            raise ProfileError(f"{source}: loss_ms must be a number in [0, {MAX_MS:g}], found {_show(self.loss_ms)}")
+            raise ProfileError(f"{source}: loss_ms must be a number in [0, {MAX_MS:g}], found {show(self.loss_ms)}")
         if self.loss_bytes is not None and (not _is_number(self.loss_bytes) or not 0 <= self.loss_bytes <= MAX_BYTES):
             raise ProfileError(f"{source}: loss_bytes must be a number in [0, {MAX_BYTES:g}], found "
-                               f"{_show(self.loss_bytes)}")
+                               f"{show(self.loss_bytes)}")
         opt = self.optimizer_ms_per_byte
         if not isinstance(opt, dict) or not all(isinstance(k, str) and _is_number(v) and 0 <= v <= MAX_MS
                                                 for k, v in opt.items()):
             raise ProfileError(f"{source}: optimizer_ms_per_byte must map optimizer names to non-negative "
-                               f"numbers, found {_show(opt)}")
+                               f"numbers, found {show(opt)}")
         for key in RUNTIME_NUMBERS:
             v = getattr(self, key)
             if v is not None and (not _is_number(v) or not 0 <= v <= MAX_MS):
-                raise ProfileError(f"{source}: {key} must be a number in [0, {MAX_MS:g}] (ms), found {_show(v)}")
+                raise ProfileError(f"{source}: {key} must be a number in [0, {MAX_MS:g}] (ms), found {show(v)}")
         for key in ("compute_factor", "contention"):
             f = getattr(self, key)
             if f is not None and (not _is_number(f) or not 0 < f <= MAX_COMPUTE_FACTOR):
-                raise ProfileError(f"{source}: {key} must be a number in (0, {MAX_COMPUTE_FACTOR:g}], found {_show(f)}")
+                raise ProfileError(f"{source}: {key} must be a number in (0, {MAX_COMPUTE_FACTOR:g}], found {show(f)}")
         c = self.copy_ms_per_byte
         if c is not None and (not _is_number(c) or not 0 <= c <= MAX_MS):
-            raise ProfileError(f"{source}: copy_ms_per_byte must be a number in [0, {MAX_MS:g}], found {_show(c)}")
+            raise ProfileError(f"{source}: copy_ms_per_byte must be a number in [0, {MAX_MS:g}], found {show(c)}")
         r = self.ranks_per_host
         if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 1):
-            raise ProfileError(f"{source}: ranks_per_host must be a positive integer, found {_show(r)}")
+            raise ProfileError(f"{source}: ranks_per_host must be a positive integer, found {show(r)}")
         if self.timing is not None and self.timing not in TIMINGS:
-            raise ProfileError(f"{source}: timing must be one of {', '.join(TIMINGS)}, found {_show(self.timing)}")
+            raise ProfileError(f"{source}: timing must be one of {', '.join(TIMINGS)}, found {show(self.timing)}")
         bw = self.link_bandwidth
-        if bw is not None and (not _is_number(bw) or not 0 < bw < MAX_BYTES):
-            raise ProfileError(f"{source}: link_bandwidth must be a positive number of bytes/s, found {_show(bw)}")
+        if bw is not None and (not _is_number(bw) or not MIN_BANDWIDTH <= bw < MAX_BYTES):
+            raise ProfileError(f"{source}: link_bandwidth must be a number of bytes/s from {MIN_BANDWIDTH:g} (1 kB/s) "
+                               f"to below {MAX_BYTES:g}, found {show(bw)}")
         sizes = [mb]
         for k, other in enumerate(self.others):
             where = f"{source}: other_microbatch_sizes[{k}]"
             if other.microbatch_size in sizes:
                 raise ProfileError(f"{where}: microbatch_size {other.microbatch_size} appears twice; expected one "
                                    "profile per size")
+            odd = next((f for f in ("model", "model_args", "device", "dtype") if getattr(other, f) != getattr(self, f)),
+                       None)
+            if odd is not None:
+                raise ProfileError(f"{where}: {odd} must be the top level's {show(getattr(self, odd))} (the same model "
+                                   f"at another microbatch size), found {show(getattr(other, odd))}")
             if [x.name for x in other.layers] != [x.name for x in self.layers] or other.others:
                 raise ProfileError(f"{where}: expected the same {len(self.layers)} layers as the top level, "
                                    f"found {len(other.layers)} layers named differently or nested sizes")
@@ -245,14 +257,14 @@ class Profile:
     @classmethod
     def from_json(cls, d: Any, *, source: str = "profile") -> Profile:
         d = check_fields(d, dict.fromkeys(("model", "device", "dtype", "microbatch_size", "layers")), source=source,
-                         error=ProfileError, format=PROFILE_FORMAT, show=_show)
+                         error=ProfileError, format=PROFILE_FORMAT, show=show)
         if not isinstance(d["layers"], list):
-            raise ProfileError(f"{source}: layers must be a list, found {_show(d['layers'])}")
+            raise ProfileError(f"{source}: layers must be a list, found {show(d['layers'])}")
         layers = []
         for i, entry in enumerate(d["layers"]):
             where = f"{source}: layers[{i}]"
             if not isinstance(entry, dict):
-                raise ProfileError(f"{where} must be an object, found {_show(entry)}")
+                raise ProfileError(f"{where} must be an object, found {show(entry)}")
             problem = field_problem(entry, dict.fromkeys(("name", *LAYER_NUMBERS)))
             if problem is not None:
                 raise ProfileError(f"{where}: {problem}")
@@ -262,7 +274,7 @@ class Profile:
             layers.append(layer)
         others = d.get("other_microbatch_sizes", [])
         if not isinstance(others, list):
-            raise ProfileError(f"{source}: other_microbatch_sizes must be a list, found {_show(others)}")
+            raise ProfileError(f"{source}: other_microbatch_sizes must be a list, found {show(others)}")
         others = [cls.from_json(o, source=f"{source}: other_microbatch_sizes[{k}]") for k, o in enumerate(others)]
         try:
             return cls(d["model"], d.get("model_args", {}), d["device"], d["dtype"], d["microbatch_size"], layers,
@@ -281,11 +293,3 @@ class Profile:
     def load(cls, path: str | Path) -> Profile:
         return cls.from_json(read_json(path, "profile.json", ProfileError), source=Path(path).name)
 
-
-def _show(v: Any) -> str:
-    """A value as it appears in JSON, short."""
-    try:
-        text = json.dumps(v)
-    except (TypeError, ValueError):
-        text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -29,6 +29,7 @@ from partitioner.measure import (
     spread,
     time_loss,
 )
+from partitioner.outputs import check_output
 from partitioner.profile import TIMINGS, LayerProfile, Profile, ProfileError
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.graphcheck import graphs_enabled
@@ -239,8 +240,8 @@ def _sizes(one: int | None, several: str | None) -> list[int]:
             raise ProfileError(f"--microbatch-size must be >= 1, found {one}")
         return [one]
     assert several is not None
-    parts = several.split(",")
-    if not all(x.strip().isdigit() and int(x) >= 1 for x in parts) or len(set(map(int, parts))) != len(parts):
+    parts = [x.strip() for x in several.split(",")]
+    if not all(x.isascii() and x.isdigit() and int(x) >= 1 for x in parts) or len(set(map(int, parts))) != len(parts):
         raise ProfileError(f"--microbatch-sizes must be distinct positive integers separated by commas, found "
                            f"{several!r}")
     return [int(x) for x in parts]
@@ -249,6 +250,7 @@ def _sizes(one: int | None, several: str | None) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        check_output(args.output, "-o", ProfileError)  # before minutes of profiling
         sizes = _sizes(args.microbatch_size, args.microbatch_sizes)
         check_timing_device(args.timing, args.device)  # before the model is built
         model_args = parse_model_args(args.model_args)
@@ -276,8 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelError, ProfileError, OSError) as e:
         print(f"pipeflow-profile: error: {e}", file=sys.stderr)
         return 2
-    total_f = sum(layer.forward_ms for layer in prof.layers)
-    total_b = sum(layer.backward_ms for layer in prof.layers)
+    total_f, total_b = (sum(getattr(layer, k) for layer in prof.layers) for k in ("forward_ms", "backward_ms"))
     print(f"profiled {len(prof.layers)} layers of {prof.model} on {prof.device} ({prof.dtype}, microbatch "
           f"{prof.microbatch_size}, {threads or torch.get_num_threads()} torch thread(s)"
           + (f"; contention {prof.contention:.3f} (a pass beside {args.ranks_per_host - 1} busy companion(s) over "

@@ -2,6 +2,7 @@
 backward, zero bubble) / all-reduce / idle coloured."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from partitioner.planner import PlanningError
@@ -11,6 +12,19 @@ if TYPE_CHECKING:
 
 COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "STEP": "#8172b3"}
 IDLE = "#eeeeee"
+
+
+def check_format(path: str) -> None:
+    """PlanningError unless matplotlib is installed and can write `path`, by its ending, as draw() saves it
+    (savefig takes the format from the ending, and without one writes PATH.png instead)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise PlanningError("--timeline needs matplotlib: pip install matplotlib") from None
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if Path(path).suffix.lower().removeprefix(".") not in formats:
+        raise PlanningError(f"--timeline must end in a format matplotlib writes (.{', .'.join(formats)}), found "
+                            f"{path!r}")
 
 
 def draw(planned: Planned, path: str) -> None:

@@ -5,6 +5,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from partitioner.profile import MIN_BANDWIDTH
+
 # Default when --topology is not given: one flat level at 10 GB/s, roughly 100 Gb/s Ethernet/InfiniBand
 # between hosts; pass --topology for NVLink-class links inside a host.
 DEFAULT_BANDWIDTH = 10e9  # bytes/s
@@ -44,6 +46,8 @@ def parse_bandwidth(text: str) -> float:
         raise TopologyError(f"bandwidth must be a finite rate such as 300GB/s, found {text!r}")
     if value <= 0:
         raise TopologyError(f"bandwidth must be positive, found {text!r}")
+    if value < MIN_BANDWIDTH:  # a slip of the unit: 1e-30GB/s would price a step at 1e27 ms
+        raise TopologyError(f"bandwidth must be at least 1kB/s (every network link is faster), found {text!r}")
     return value
 
 
@@ -77,8 +81,8 @@ class Topology:
         if not self.levels:
             raise TopologyError("a topology needs at least one level")
         for k, lv in enumerate(self.levels):
-            if lv.workers < 1 or not 0 < lv.bandwidth < math.inf:
-                raise TopologyError(f"topology level {k} needs workers >= 1 and bandwidth > 0, found "
+            if lv.workers < 1 or not MIN_BANDWIDTH <= lv.bandwidth < math.inf:
+                raise TopologyError(f"topology level {k} needs workers >= 1 and a finite bandwidth >= 1kB/s, found "
                                     f"{lv.workers}x{lv.bandwidth:g}B/s")
 
     @property
@@ -116,7 +120,7 @@ class Topology:
         levels = []
         for part in text.split(","):
             count, sep, rate = part.strip().partition("x")
-            if not sep or not count.strip().isdigit() or int(count) < 1:
+            if not sep or not count.strip().isascii() or not count.strip().isdigit() or int(count) < 1:
                 raise TopologyError(f"--topology must be comma-separated levels COUNTxBANDWIDTH such as "
                                     f"8x300GB/s,4x25GB/s (innermost first), found {text!r}")
             try:

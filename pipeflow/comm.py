@@ -35,6 +35,7 @@ class World:
     device: torch.device
     backend: str
     mpi: Control = field(repr=False)  # COMM_WORLD's control channel (pipeflow.control)
+    timeout_s: float = 300.0  # --timeout: how long an operation of its process groups waits for the peers
 
 
 def _free_port() -> int:
@@ -72,7 +73,7 @@ def init_world(*, device: str = "auto", timeout_s: float = 300.0) -> World:
         dev, backend = torch.device("cpu"), "gloo"
     else:
         raise ValueError(f"--device must be auto, cpu or cuda, found {device!r}")
-    world = World(rank, size, local_rank, dev, backend, Control(comm))
+    world = World(rank, size, local_rank, dev, backend, Control(comm), timeout_s)
     if size == 1 or dist.is_initialized():
         return world
     addr = None
@@ -99,13 +100,13 @@ def new_groups(world: World, rank_sets: list[list[int]]) -> dict[tuple[int, ...]
         key = tuple(ranks)
         if key in groups or world.size == 1:
             continue
-        groups[key] = dist.new_group(list(ranks))
+        groups[key] = new_group(list(ranks), timeout_s=world.timeout_s)
     return groups
 
 
-def new_group(ranks: list[int], options: Any = None) -> Any:
-    """A process group of `ranks` (every rank of the world calls it, in the same order)."""
-    return dist.new_group(ranks, pg_options=options)
+def new_group(ranks: list[int], options: Any = None, *, timeout_s: float) -> Any:
+    """A process group of `ranks` (all ranks call it in order); its operations give up after `timeout_s` (--timeout)."""
+    return dist.new_group(ranks, pg_options=options, timeout=timedelta(seconds=timeout_s))
 
 
 def all_reduce(tensor: torch.Tensor, group: Any, *, async_op: bool = False) -> Any:
@@ -138,9 +139,10 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def nccl_p2p_options(max_ctas: int) -> Any:
+def nccl_p2p_options(max_ctas: int, timeout_s: float) -> Any:
     """NCCL options of a point-to-point group: a high-priority stream, at most `max_ctas` CTAs (0: NCCL's)."""
     opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+    opts._timeout = timedelta(seconds=timeout_s)  # as new_group's timeout=, which torch warns it overrides
     if max_ctas > 0:
         opts.config.max_ctas = max_ctas
         opts.config.min_ctas = min(opts.config.min_ctas, max_ctas) if opts.config.min_ctas > 0 else 1

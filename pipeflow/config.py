@@ -22,6 +22,8 @@ LR_FLAGS = {"warmup": "--lr-warmup", "decay": "--lr-decay", "min_lr": "--min-lr"
 MAX_SCHEDULE_MICROBATCHES = 1_000_000
 SLOW_SCHEDULE_MICROBATCHES = 20_000  # above this, say that building the schedule takes a while
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+MICROBATCH_SIZE = 4  # --microbatch-size's default; 0 in a TrainConfig under --global-batch: the planner chooses
+SEEDS = (-2**63, 2**64 - 1)  # what torch.manual_seed takes
 
 
 class ConfigError(ValueError):
@@ -151,7 +153,7 @@ class TrainConfig:
     schedule: str | None = None
     steps: int = 50
     microbatches: int | None = None
-    microbatch_size: int = 4
+    microbatch_size: int = MICROBATCH_SIZE
     seed: int = 0
     no_shuffle: bool = False
     optimizer: str = "adam"
@@ -202,9 +204,15 @@ class TrainConfig:
         if self.microbatches is not None:
             check_schedule_size(self.microbatches, "--microbatches")
         check_device(self.device)
-        for name in ("steps", "microbatch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, found {getattr(self, name)}")
+        if self.steps < 1:
+            raise ConfigError(f"--steps must be >= 1, found {self.steps}")
+        if self.microbatch_size < (0 if self.global_batch is not None else 1):
+            check_microbatch_size(self.microbatch_size)
+        if self.log_every < 0:
+            raise ConfigError(f"--log-every must be >= 1 steps (or 0: --steps / 10), found {self.log_every}")
+        if not SEEDS[0] <= self.seed <= SEEDS[1]:
+            raise ConfigError(f"--seed must be an integer from -2**63 to 2**64 - 1 (what torch.manual_seed takes), "
+                              f"found {self.seed}")
         if self.microbatches is not None and self.microbatches < 1:
             raise ConfigError(f"--microbatches must be >= 1, found {self.microbatches}")
         if self.schedule is not None and self.schedule not in SCHEDULES:
@@ -225,9 +233,13 @@ class TrainConfig:
 
     @classmethod
     def from_flags(cls, flags: Mapping[str, Any], environ: Mapping[str, str]) -> TrainConfig:
-        """The config of parsed flags (argparse's dests, vars(namespace): one field each), after which the
-        PIPEFLOW_* knobs of `environ` are checked too."""
-        config = cls(**flags)
+        """The config of parsed flags (argparse's dests, vars(namespace): one field each; --microbatch-size not
+        given: the default, or 0 under --global-batch), after which the PIPEFLOW_* knobs of `environ` are checked."""
+        b = flags.get("microbatch_size")
+        if b is not None:
+            check_microbatch_size(b)
+        config = cls(**{**flags, "microbatch_size": b if b is not None else
+                        MICROBATCH_SIZE if flags.get("global_batch") is None else 0})
         check_environment(environ)
         check_transport(config.device, environ)
         return config
@@ -249,6 +261,11 @@ class TrainConfig:
     def segment_steps(self) -> int | None:
         """Asynchronous schedules: minibatches per segment (checkpoints cut them); None: the whole run."""
         return (min(self.checkpoint_every, self.steps) or None) if self.checkpoint_dir else None
+
+
+def check_microbatch_size(b: int) -> None:
+    if b < 1:
+        raise ConfigError(f"--microbatch-size must be >= 1, found {b}")
 
 
 def check_schedule_size(microbatches: int, what: str, hint: str = "") -> None:

@@ -50,13 +50,13 @@ def make_links(world: World, plan: Plan, ties: list[Tie]) -> Links:
     # Two groups per pair: one per direction (see comm.P2P), so create each rank set twice (or 2n times with
     # n groups per channel taken in turn, gloo_turns).
     groups: dict[tuple[int, int, str], Any] = {}
-    options = p2p_group_options(world.backend)
+    options = p2p_group_options(world.backend, world.timeout_s)
     turns = gloo_turns(world)
     for a, b, d in pairs:
         if world.size == 1:
             groups[(a, b, d)] = None
         else:
-            channel = [new_group(sorted((a, b)), options) for _ in range(turns)]
+            channel = [new_group(sorted((a, b)), options, timeout_s=world.timeout_s) for _ in range(turns)]
             groups[(a, b, d)] = channel[0] if turns == 1 else Turns(channel)
     rank_groups = plan.stages[:plan.groups]
     replica_groups = new_groups(world, [st.ranks for st in rank_groups if st.replicas > 1])
@@ -237,10 +237,10 @@ def reduce_late(environ: Mapping[str, str] = os.environ) -> bool:
     return text == "1"
 
 
-def p2p_group_options(backend: str) -> Any:
+def p2p_group_options(backend: str, timeout_s: float) -> Any:
     """NCCL options for the point-to-point channels: a posted receive occupies its CTAs on the GPU
     until the peer's send arrives, so each channel gets few (PIPEFLOW_P2P_MAX_CTAS, default 4) to
     leave the SMs to compute; a high-priority stream lets transfers jump the compute queue."""
     if backend != "nccl":
         return None
-    return nccl_p2p_options(p2p_max_ctas())
+    return nccl_p2p_options(p2p_max_ctas(), timeout_s)

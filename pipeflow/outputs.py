@@ -61,6 +61,8 @@ def _through_link(path: str) -> Path:
 
 def check_file(flag: str, path: str) -> None:
     """A file written at the end (--save, --trace): its directory exists and takes new files."""
+    if not path:  # Path("") is the working directory
+        raise OutputError(f"{flag} must be a file path, found ''")
     p = _through_link(path)
     if p.is_dir():
         example = "trace.json" if flag == "--trace" else "model.pt"
@@ -79,6 +81,8 @@ def check_file(flag: str, path: str) -> None:
 def check_dir(flag: str, path: str) -> None:
     """A directory written during the run (--tensorboard, --checkpoint-dir), created if missing: it, or the
     nearest directory above it that exists, takes new files."""
+    if not path:
+        raise OutputError(f"{flag} must be a directory path, found ''")
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise OutputError(f"{flag} {path}: is a file; expected a directory")
@@ -93,11 +97,66 @@ def check_dir(flag: str, path: str) -> None:
 def check_outputs(args: TrainConfig) -> None:
     """Every output path of a pipeflow-train run; raises OutputError naming the flag, the path and the reason."""
     for flag, path in (("--save", args.save), ("--trace", args.trace)):
-        if path:
+        if path is not None:
             check_file(flag, path)
     for flag, path in (("--tensorboard", args.tensorboard), ("--checkpoint-dir", args.checkpoint_dir)):
-        if path:
+        if path is not None:
             check_dir(flag, path)
+
+
+def _same(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _among_checkpoints(path: str, checkpoint_dir: str) -> bool:
+    """Whether `path` is one that writing checkpoints to `checkpoint_dir` replaces: a step directory, or in one,
+    or the lock file."""
+    from pipeflow.checkpoint import _STEP_RE
+
+    inside = Path(os.path.realpath(path))
+    root = Path(os.path.realpath(checkpoint_dir))
+    if not inside.is_relative_to(root) or inside == root:
+        return False
+    first = inside.relative_to(root).parts[0]
+    return first == LOCK_NAME or _STEP_RE.match(first) is not None
+
+
+def check_clashes(args: TrainConfig) -> None:
+    """No output overwrites another output or an input (check_outputs takes each path alone): two outputs on one
+    path, an output on the --plan or --resume path, a file where the checkpoints go; an empty input path."""
+    for flag, path, what in (("--plan", args.plan, "a plan.json path"),
+                             ("--resume", args.resume, "a checkpoint path (no value: the newest in --checkpoint-dir)")):
+        if path == "":
+            raise OutputError(f"{flag} must be {what}, found ''")
+    outputs = [(flag, path) for flag, path in (("--save", args.save), ("--trace", args.trace),
+                                               ("--tensorboard", args.tensorboard),
+                                               ("--checkpoint-dir", args.checkpoint_dir)) if path]
+    inputs = [(flag, path) for flag, path in (("--plan", args.plan), ("--resume", args.resume))
+              if path and path != "latest"]
+    for k, (flag, path) in enumerate(outputs):
+        for other, there in outputs[:k]:
+            if _same(path, there):
+                raise OutputError(f"{flag} {path}: is also {other}'s path, so one output would overwrite the other; "
+                                  "give each output its own path")
+        for other, there in inputs:
+            if _same(path, there) and (flag, other) != ("--checkpoint-dir", "--resume"):  # resuming where it left
+                raise OutputError(f"{flag} {path}: is also {other}'s path, an input of this run, which writing {flag} "
+                                  f"would overwrite; give {flag} another path")
+        if flag in ("--save", "--trace") and args.checkpoint_dir and _among_checkpoints(path, args.checkpoint_dir):
+            raise OutputError(f"{flag} {path}: is where --checkpoint-dir {args.checkpoint_dir} writes its checkpoints "
+                              f"(step-NNNNNN/, {LOCK_NAME}), which would overwrite it; give {flag} another path")
+
+
+def check_new_run(args: TrainConfig) -> None:
+    """A run started without --resume in a --checkpoint-dir holding complete checkpoints would write its step
+    directories over the earlier run's, and a later --resume would load a mix of the two models."""
+    from pipeflow.restore import complete_steps
+
+    found = complete_steps(args.checkpoint_dir) if args.checkpoint_dir and args.resume is None else []
+    if found:
+        raise OutputError(f"--checkpoint-dir {args.checkpoint_dir} holds the checkpoints of an earlier run (the newest "
+                          f"complete one: {found[-1][1]}), which this run would overwrite; pass --resume to continue "
+                          "it, or choose another --checkpoint-dir")
 
 
 class CheckpointLock:
@@ -160,12 +219,16 @@ def holder(path: Path) -> str:
 
 def prepare_outputs(args: TrainConfig, rank: int) -> CheckpointLock | None:
     """Set-up: check every output path; rank 0 locks --checkpoint-dir (kept until release_checkpoint_lock,
-    which pipeflow.train.main calls when it returns, or the process ends)."""
+    which pipeflow.train.main calls when it returns, or the process ends), then checks that a run started without
+    --resume finds no checkpoint there (rank 0 writes the COMPLETE markers; a training still writing them is named
+    by the lock instead)."""
     global _held
     check_outputs(args)
+    check_clashes(args)
     release_checkpoint_lock()  # one lock per process: a call that did not return normally left its lock
     if args.checkpoint_dir and rank == 0:
         _held = CheckpointLock(args.checkpoint_dir)
+        check_new_run(args)
         return _held
     return None
 

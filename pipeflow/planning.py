@@ -47,16 +47,48 @@ def virtual_stages(args: TrainConfig, schedule: str | None = None) -> int:
     return v if v is not None else kind.default_virtual_stages
 
 
-def _make_plan(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, mpi: Any) -> Plan:
-    n = len(spec.layers)
+def check_planning_flags(args: TrainConfig, world_size: int) -> None:
+    """The flags that shape planning on the spot, before any profiling: refused with --plan or --layers-per-stage,
+    which plan nothing (they would be ignored), and --topology and --memory-per-worker parsed as the planner will."""
+    from partitioner.topology import Topology, parse_bytes
+
     gb = args.global_batch
     if gb is not None:
         if gb < 1:
             raise UsageError(f"--global-batch must be >= 1, found {gb}")
-        if args.plan or args.layers_per_stage or args.microbatches is not None:
+        if args.plan is not None or args.layers_per_stage is not None or args.microbatches is not None:
             raise UsageError("--global-batch chooses the microbatch size and count when planning on the spot; "
                              "drop --plan, --layers-per-stage and --microbatches")
-    if args.plan:
+        if args.microbatch_size and gb % args.microbatch_size:  # 0: the planner chooses
+            raise UsageError(f"--global-batch {gb} is not a multiple of --microbatch-size {args.microbatch_size}: "
+                             f"a step is microbatch size x microbatches; pass a multiple of {args.microbatch_size}, "
+                             "or drop --microbatch-size to let the planner choose it")
+    shaping = [flag for flag, given in (("--topology", args.topology is not None), ("--straight", args.straight),
+                                        ("--memory-per-worker", args.memory_per_worker is not None)) if given]
+    if args.plan is not None and (shaping or args.layers_per_stage is not None):
+        flag = shaping[0] if shaping else "--layers-per-stage"
+        raise UsageError(f"{flag} applies when planning on the spot, but --plan {args.plan} gives the plan, which "
+                         f"would run as it is; drop {flag} (or pass it to pipeflow-plan and plan again)")
+    if args.layers_per_stage is not None and shaping:
+        raise UsageError(f"{shaping[0]} applies when planning on the spot, but --layers-per-stage "
+                         f"{args.layers_per_stage} splits the layers by hand, which would run as it is; drop "
+                         f"{shaping[0]} (or --layers-per-stage to plan on the spot)")
+    try:
+        if args.topology is not None:
+            topology = Topology.parse(args.topology)
+            if topology.workers != world_size:
+                raise UsageError(f"--topology {args.topology} has {topology.workers} workers, but -np is {world_size}; "
+                                 f"give levels whose counts multiply to {world_size}")
+        if args.memory_per_worker is not None:
+            parse_bytes(args.memory_per_worker)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _make_plan(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, mpi: Any) -> Plan:
+    n = len(spec.layers)
+    check_planning_flags(args, world_size)
+    if args.plan is not None:
         plan = Plan.load(args.plan)
         plan.validate(num_layers=n, world_size=world_size)
         if args.microbatches is not None:
@@ -74,7 +106,7 @@ def _make_plan(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, m
     from partitioner.plan import even_plan
 
     v = virtual_stages(args)
-    if not args.layers_per_stage:
+    if args.layers_per_stage is None:
         return plan_on_the_spot(args, spec, world_size, rank, mpi, v)
     counts = None
     if args.layers_per_stage != "even":
@@ -108,7 +140,7 @@ def plan_on_the_spot(args: TrainConfig, spec: ModelSpec, world_size: int, rank: 
             # In this rank's own thread count (what training runs with); the loss and --optimizer's step timed.
             notes: list[str] = []
             gb = args.global_batch
-            sizes = [args.microbatch_size] if gb is None else \
+            sizes = [args.microbatch_size] if gb is None or args.microbatch_size else \
                 [b for b in (64, 32, 16, 8, 4, 2, 1) if gb % b == 0][:4]
             profile, *others = [profile_model(spec, b, device, dtype=args.dtype, warmup=1, repeats=3, seed=args.seed,
                                               optimizer=args.optimizer, warnings=notes) for b in sizes]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import reprlib
 from pathlib import Path
 from typing import Any
 
@@ -107,13 +108,40 @@ def read_marker(d: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: cannot read the checkpoint marker ({e}); expected JSON written by "
                               "pipeflow-train") from None
-    ok = (isinstance(marker, dict) and field_problem(marker, MARKER_FIELDS) is None and marker["stages"]
-          and all(isinstance(s, dict) and field_problem(s, MARKER_STAGE_FIELDS, optional=("bytes", "sha256")) is None
-                  for s in marker["stages"]))
-    if not ok:
+    found = _marker_problem(marker)
+    if found:
         raise CheckpointError(f"{path}: not a {CKPT_FORMAT} marker: expected an object with format, step, run "
-                              "and stages [{file, layers: [start, end), bytes, sha256}]")
+                              f"and stages [{{file, layers: [start, end), bytes, sha256}}]; found {found}")
     return marker
+
+
+def _marker_problem(marker: Any) -> str | None:
+    """What breaks the marker's format, as the end of "found ...": "format 'pipeflow.checkpoint/9' (a str)", "step
+    '1' (a str)", "no 'run'", "stages[0].layers [1, 1] (a list)"; None when it holds."""
+    if not isinstance(marker, dict):
+        return f"a {type(marker).__name__}"
+    if marker.get("format") != CKPT_FORMAT:
+        return f"format {_shown(marker['format'])}" if "format" in marker else "no 'format'"
+    for key, rule in MARKER_FIELDS.items():
+        if key not in marker:
+            return f"no {key!r}"
+        if field_problem(marker, {key: rule}) is not None:
+            return f"{key} {_shown(marker[key])}"
+    if not marker["stages"]:
+        return "stages []"
+    for k, stage in enumerate(marker["stages"]):
+        if not isinstance(stage, dict):
+            return f"stages[{k}] {_shown(stage)}"
+        for key, rule in MARKER_STAGE_FIELDS.items():
+            if key not in stage and key in ("file", "layers"):  # bytes and sha256: absent in older markers
+                return f"stages[{k}] without {key!r}"
+            if key in stage and field_problem(stage, {key: rule}) is not None:
+                return f"stages[{k}].{key} {_shown(stage[key])}"
+    return None
+
+
+def _shown(value: Any) -> str:
+    return f"{reprlib.repr(value)} (a {type(value).__name__})"
 
 
 def _is_range(x: Any) -> bool:

@@ -5,6 +5,7 @@ import importlib
 import inspect
 import json
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,6 +121,10 @@ def build_model(model: str, model_args: dict[str, Any] | None = None, *, seed: i
     except (ValueError, RuntimeError, OverflowError, MemoryError) as e:  # e.g. a negative or huge size
         raise ModelError(f"model {model!r} cannot be built with --model-args {json.dumps(model_args or {})}: "
                          f"{type(e).__name__}: {e}") from None
+    except Exception as e:  # noqa: BLE001 (the builder's own bug, a ZeroDivisionError say: one line, and where)
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        raise ModelError(f"model {model!r} failed to build with --model-args {json.dumps(model_args or {})}: "
+                         f"{type(e).__name__}: {e} (at {frame.filename}:{frame.lineno})") from None
     if not isinstance(spec, ModelSpec):
         raise ModelError(f"model builder {model!r} returned {type(spec).__name__}, expected pipeflow.ModelSpec")
     spec.name = spec.name or model
@@ -137,7 +142,9 @@ def _check_samples(dataset: Any, model: str, what: str = "dataset") -> None:
     from pipeflow.data.loader import collate
 
     if len(dataset) == 0:
-        return  # the loader's own message
+        if what == "dataset":  # an empty eval_dataset matters only to --eval-every (evalflags.check_dataset)
+            raise ModelError(f"model {model!r}: its dataset is empty; expected at least one (input, target) sample")
+        return
     try:
         sample = dataset[0]
     except Exception as e:  # noqa: BLE001 (the user's __getitem__: whatever it raises, one line)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import dataclasses
 import logging
 import os
 import sys
@@ -23,11 +22,10 @@ import torch
 from partitioner.plan import PlanError
 from pipeflow import config, evalflags
 from pipeflow.failure import UsageError
-from pipeflow.outputs import prepare_outputs, release_checkpoint_lock
-from pipeflow.planning import check_model_on_plan, make_plan
+from pipeflow.outputs import release_checkpoint_lock
+from pipeflow.preflight import set_up
 from pipeflow.runner import DTYPES, run
 from pipeflow.schedule import SCHEDULES, ScheduleError
-from pipeflow.spec import ModelError, build_model, parse_model_args
 
 if TYPE_CHECKING:
     from pipeflow.control import Control
@@ -59,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--layers-per-stage, 1f1b)")
     p.add_argument("--steps", type=int, default=50, help="optimizer steps (minibatches) to train")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per minibatch (default: plan's or 8)")
-    p.add_argument("--microbatch-size", type=int, default=4)
+    p.add_argument("--microbatch-size", type=int, default=None,
+                   help=f"samples per microbatch (default {config.MICROBATCH_SIZE}; with --global-batch G, the "
+                        "planner's choice, or this size, which G must be a multiple of)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-shuffle", action="store_true", help="samples in order instead of a seeded permutation")
     p.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="adam")
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --skip-nonfinite: stop (exit 4) after N consecutive skipped steps (default 10; "
                         "0: never)")
     p.add_argument("--save", default=None, help="write the trained model's state_dict here (rank 0)")
-    p.add_argument("--log-every", type=int, default=0, help="steps between loss reports (default: steps/10)")
+    p.add_argument("--log-every", type=int, default=0, help="steps between loss reports (default 0: steps/10)")
     p.add_argument("--eval-every", type=int, default=0, metavar="K", help=evalflags.EVERY_HELP)
     p.add_argument("--eval-batches", type=int, default=1, metavar="N", help="minibatches per evaluation (default 1)")
     p.add_argument("--tensorboard", default=None, metavar="DIR",
@@ -226,41 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def report_setup_errors(errors: list[str | None], rank: int) -> None:
-    """One line per distinct error: rank 0 says an error every rank found; otherwise each rank with an
-    error says its own, prefixed with its rank (so that lines from different ranks never merge)."""
-    from pipeflow.failure import say
-
-    if all(e == errors[0] for e in errors):
-        if rank == 0:
-            say(f"pipeflow-train: error: {errors[0]}")
-    elif errors[rank]:
-        say(f"pipeflow-train: error: [rank {rank}] {errors[rank]}")
-
-
 def _main(args: argparse.Namespace, comm: Control, watchdog: Any) -> int:
     from pipeflow.failure import EXIT_FAILED, EXIT_NONFINITE, AgreedError, NonFiniteError, StopTraining, say
 
-    rank, size = comm.rank, comm.size
-    # Set-up errors are mostly the same on every rank (same flags, files, model): one MPI agreement
-    # shares them, so that none waits for the others, and rank 0 reports an error they all found.
-    error: str | None = None
-    try:
-        cfg = check_args(args)  # from here on the runtime reads this, not the namespace
-        prepare_outputs(cfg, rank)  # every output path writable; rank 0 locks --checkpoint-dir until it exits
-        spec = build_model(cfg.model, parse_model_args(cfg.model_args), seed=cfg.seed)
-        evalflags.check_dataset(cfg, spec)
-        plan = make_plan(cfg, spec, size, rank, comm)
-        if cfg.global_batch is not None:  # every rank loads microbatches of the size the planner chose
-            cfg = dataclasses.replace(cfg, microbatch_size=int(plan.extra["planner"]["microbatch_size"]))
-        list_size = config.check_plan(plan, cfg, SCHEDULES)
-        check_model_on_plan(spec, plan, cfg.device)
-    except (UsageError, PlanError, ModelError, ScheduleError, ValueError) as e:
-        error = str(e)
-    errors = comm.allgather(error)
-    if any(errors):
-        report_setup_errors(errors, rank)
+    rank = comm.rank
+    ready = set_up(vars(args), comm)  # every check, agreed between the ranks (preflight.py); None: the line is written
+    if ready is None:
         return 2
+    cfg, spec, plan, list_size = ready.cfg, ready.spec, ready.plan, ready.list_size
     if rank == 0 and list_size > config.SLOW_SCHEDULE_MICROBATCHES:
         log.info("building the %s action lists of %d microbatches on every rank (up to minutes for 10^6)",
                  plan.schedule, list_size)

@@ -39,8 +39,8 @@ def refusal(reports: list[int], stages: list[int]) -> str | None:
     if sharded:
         return (f"Pipeline.step: requires_grad changed since the last step on rank {sharded[0]} (stage "
                 f"{stages[sharded[0]]}), whose optimizer state is sharded over its replicas (shard_optimizer): each "
-                "owns a share of the trainable parameters chosen when the Pipeline was built; freeze or unfreeze before "
-                "building it, or build it without shard_optimizer")
+                "owns a share of the trainable parameters chosen when the Pipeline was built; freeze or unfreeze "
+                "before building it, or build it without shard_optimizer")
     graphed = [r for r, bits in enumerate(reports) if bits & CHANGED and bits & GRAPHED]
     if graphed:
         return (f"Pipeline.step: requires_grad changed after the first step on rank {graphed[0]} (stage "

@@ -183,7 +183,8 @@ def bad_setups(d: Path) -> list[Case]:
            "--skip-nonfinite", "--max-skips", "3"]
     marker = d / "marker"
     return [Case(2, ["--model", "os:system", "--model-args", json.dumps({"command": f"touch {marker}"})], check=False),
-            Case(2, [*BASE, "--plan", str(zb)], env={"PIPEFLOW_LOG": "INFO"}, check=False),
+            Case(2, [*BASE[:BASE.index("--layers-per-stage")], "--plan", str(zb)], env={"PIPEFLOW_LOG": "INFO"},
+                 check=False),
             Case(2, [*BASE, "--microbatches", "100000000"], check=False),
             Case(2, nan, check=False),
             Case(2, BASE, env={"PIPEFLOW_LOG": "verbose"}, check=False),

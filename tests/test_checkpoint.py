@@ -179,8 +179,9 @@ def resume_other_plan(d: Path) -> list[Case]:
             "stages": [{"layers": [0, 2], "replicas": 1, "ranks": [0]},
                        {"layers": [2, 6], "replicas": 2, "ranks": [1, 2]}]}
     (d / "plan.json").write_text(json.dumps(plan))
-    args = [*COMMON, "--plan", str(d / "plan.json"), "--microbatch-size", "4", "--steps", "10",
-            "--resume", str(d / "ck" / "step-000005"), "--save", str(d / "resumed.pt")]
+    split = COMMON.index("--layers-per-stage")  # the plan gives the split
+    args = [*COMMON[:split], *COMMON[split + 2:], "--plan", str(d / "plan.json"), "--microbatch-size", "4",
+            "--steps", "10", "--resume", str(d / "ck" / "step-000005"), "--save", str(d / "resumed.pt")]
     return [uninterrupted(d), stopped_at_7(d), Case(3, args)]
 
 

@@ -155,14 +155,14 @@ BAD_SETUPS = ["plan is for 3 workers but 2 processes", "plan covers layers [0, 5
 
 def bad_setups(d: Path) -> list[Case]:
     """Set-up errors (exit 2, no MPI Abort), one case each in BAD_SETUPS' order: batched, check=False."""
-    mlp = ["--model", "mlp", "--model-args", '{"layers": 6, "samples": 32}', "--device", "cpu", "--steps", "1",
-           "--layers-per-stage", "even"]
+    planned = ["--model", "mlp", "--model-args", '{"layers": 6, "samples": 32}', "--device", "cpu", "--steps", "1"]
+    mlp = [*planned, "--layers-per-stage", "even"]
     cases = {
-        "plan is for 3 workers but 2 processes": [*mlp, "--plan", plan_file(
+        "plan is for 3 workers but 2 processes": [*planned, "--plan", plan_file(
             d, "three.json", [((0, 2), [0]), ((2, 4), [1]), ((4, 6), [2])], workers=3)],
-        "plan covers layers [0, 5) but the model has 6": [*mlp, "--plan", plan_file(
+        "plan covers layers [0, 5) but the model has 6": [*planned, "--plan", plan_file(
             d, "short.json", [((0, 3), [0]), ((3, 5), [1])])],
-        "lists ranks [0] more than once": [*mlp, "--plan", plan_file(
+        "lists ranks [0] more than once": [*planned, "--plan", plan_file(
             d, "dup.json", [((0, 3), [0]), ((3, 6), [0])])],
         "cannot split 1 layers into 2 stages": ["--model", "tests.test_fuzz:one_layer", "--device", "cpu",
                                                 "--layers-per-stage", "even"],

@@ -52,7 +52,7 @@ def test_global_batch_picks_the_best_size_and_count(tmp_path: Path, capsys: pyte
     for p in prof.at_sizes():
         if g % p.microbatch_size:
             continue
-        single = tmp_path / f"b{p.microbatch_size}.json"
+        single = tmp_path / f"profile{p.microbatch_size}.json"  # not -o's b{size}.json: the profile stays
         Profile(p.model, p.model_args, p.device, p.dtype, p.microbatch_size, p.layers, p.loss_ms,
                 p.optimizer_ms_per_byte).save(single)
         code, _, _, plan = run(tmp_path, single, [*args, "--microbatches", str(g // p.microbatch_size)], capsys,
@@ -141,7 +141,8 @@ def test_train_global_batch_conflicts(flags: dict[str, object], message: str) ->
     from pipeflow.planning import make_plan
     from pipeflow.spec import build_model
 
-    args = Namespace(**{"global_batch": 8, "plan": None, "layers_per_stage": None, "microbatches": None, **flags})
+    args = Namespace(**{"global_batch": 8, "plan": None, "layers_per_stage": None, "microbatches": None,
+                        "microbatch_size": 0, "topology": None, "straight": False, "memory_per_worker": None, **flags})
     with pytest.raises(UsageError, match=message):
         make_plan(args, build_model("mlp", {"layers": 2}), 2, 0, None)
 

@@ -303,7 +303,8 @@ def test_measured_link_bandwidth_is_the_default_topology(tmp_path: Path) -> None
     assert evaluate_plan(prof, Plan.from_json(plan.to_json())).plan.extra["planner"]["topology"] == "4x150GB/s"
     assert plan_detailed(Profile.load(write(tmp_path, GOOD)), 4, microbatches=4).plan.extra["planner"][
         "topology"] == "4x10GB/s"
-    with pytest.raises(ProfileError, match=r"link_bandwidth must be a positive number of bytes/s, found -1"):
+    with pytest.raises(ProfileError, match=r"link_bandwidth must be a number of bytes/s from 1000 \(1 kB/s\) to "
+                                           r"below 1.15292e\+18, found -1$"):
         Profile.load(write(tmp_path, {**GOOD, "link_bandwidth": -1}))
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipeflow import hooks
-from pipeflow.config import ConfigError, TrainConfig
+from pipeflow.config import MICROBATCH_SIZE, ConfigError, TrainConfig
 from pipeflow.engine import Engine
 from pipeflow.train import build_parser, check_args
 
@@ -85,10 +85,11 @@ def test_the_runtime_reads_a_frozen_validated_config_not_a_namespace():
     assert isinstance(cfg, TrainConfig) and (cfg.steps, cfg.schedule, cfg.microbatch_size) == (3, "gpipe", 4)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.steps = 4  # type: ignore[misc]
-    # Every flag is a field, with the flag's default.
+    # Every flag is a field, with the flag's default (--microbatch-size's when not given: --global-batch leaves it to
+    # the planner, TrainConfig.from_flags).
     defaults = vars(build_parser().parse_args([]))
     assert {f.name for f in dataclasses.fields(TrainConfig)} == set(defaults)
-    assert dataclasses.asdict(TrainConfig()) == defaults
+    assert dataclasses.asdict(TrainConfig()) == {**defaults, "microbatch_size": MICROBATCH_SIZE}
     with pytest.raises(ConfigError, match=r"^--checkpoint-every needs --checkpoint-dir \(where to write"):
         TrainConfig(checkpoint_every=2)
     assert TrainConfig(checkpoint_dir="ck", checkpoint_every=5, steps=3).segment_steps == 3

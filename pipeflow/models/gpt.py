@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeflow.data.text import StdlibText, SyntheticTokens
+from pipeflow.models.checks import check_flags, check_sizes
 from pipeflow.spec import ModelSpec
 
 
@@ -188,8 +189,9 @@ def build(layers: int = 4, d_model: int = 128, heads: int = 4, seq_len: int = 64
     sublayer carry two tensors, the residual and the branch): the same weights and outputs (dropout draws per
     layer, so with dropout the masks differ), so that a planner can cut inside a block. The eval_dataset (held out,
     for --eval-every): the stdlib corpus's last 10%, or dataset_size // 8 random sequences of another seed."""
-    if layers < 1:
-        raise ValueError(f"gpt needs layers >= 1, found {layers}")
+    check_sizes("gpt", layers=layers, d_model=d_model, heads=heads, seq_len=seq_len, vocab=vocab,
+                dataset_size=dataset_size)
+    check_flags("gpt", tie=tie)
     if granularity not in GRANULARITIES:
         raise ValueError(f"gpt granularity must be one of {', '.join(map(repr, GRANULARITIES))}, "
                          f"found {granularity!r}")

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from pipeflow.models.checks import check_sizes
 from pipeflow.spec import ModelSpec
 
 
@@ -43,8 +44,8 @@ def build(layers: int = 6, d_in: int = 32, hidden: int = 64, classes: int = 10, 
           data_seed: int = 7) -> ModelSpec:
     """`layers` modules in all (input, layers-2 hidden, output); data from a fixed random teacher. The eval_dataset
     holds samples // 4 other inputs, drawn from their own seed (data_seed + 1), labelled by the same teacher."""
-    if layers < 2:
-        raise ValueError(f"mlp needs layers >= 2 (input and output), found {layers}")
+    check_sizes("mlp", 2, layers=layers)  # an input and an output layer
+    check_sizes("mlp", d_in=d_in, hidden=hidden, classes=classes, samples=samples)
     g = torch.Generator().manual_seed(data_seed)
     x = torch.randn(samples, d_in, generator=g)
     teacher = torch.randn(d_in, classes, generator=g)
