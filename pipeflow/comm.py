@@ -35,7 +35,14 @@ class World:
     device: torch.device
     backend: str
     mpi: Control = field(repr=False)  # COMM_WORLD's control channel (pipeflow.control)
-    timeout_s: float = 300.0  # --timeout: how long an operation of its process groups waits for the peers
+    timeout_s: float = 300.0  # --timeout: after it the watchdog names a rank gone silent and ends the job
+
+    @property
+    def group_timeout_s(self) -> float:
+        """How long an operation of the process groups pipeflow makes waits (torch's default: 30 minutes): twice
+        --timeout, so that a rank gone silent is named by the watchdog first, in one line, and two live ranks each
+        waiting for a transfer the other never posts still end."""
+        return 2 * self.timeout_s
 
 
 def _free_port() -> int:
@@ -100,12 +107,12 @@ def new_groups(world: World, rank_sets: list[list[int]]) -> dict[tuple[int, ...]
         key = tuple(ranks)
         if key in groups or world.size == 1:
             continue
-        groups[key] = new_group(list(ranks), timeout_s=world.timeout_s)
+        groups[key] = new_group(list(ranks), timeout_s=world.group_timeout_s)
     return groups
 
 
 def new_group(ranks: list[int], options: Any = None, *, timeout_s: float) -> Any:
-    """A process group of `ranks` (all ranks call it in order); its operations give up after `timeout_s` (--timeout)."""
+    """A process group of `ranks` (all ranks call it in order); its operations give up after `timeout_s`."""
     return dist.new_group(ranks, pg_options=options, timeout=timedelta(seconds=timeout_s))
 
 
@@ -137,16 +144,6 @@ def shutdown() -> None:
     """Tear the process group down if one is up: NCCL may hang at exit when it is left for the destructor."""
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def nccl_p2p_options(max_ctas: int, timeout_s: float) -> Any:
-    """NCCL options of a point-to-point group: a high-priority stream, at most `max_ctas` CTAs (0: NCCL's)."""
-    opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-    opts._timeout = timedelta(seconds=timeout_s)  # as new_group's timeout=, which torch warns it overrides
-    if max_ctas > 0:
-        opts.config.max_ctas = max_ctas
-        opts.config.min_ctas = min(opts.config.min_ctas, max_ctas) if opts.config.min_ctas > 0 else 1
-    return opts
 
 
 TensorMeta = tuple[tuple[int, ...], torch.dtype, bool]  # shape, dtype, requires_grad

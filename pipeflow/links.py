@@ -10,15 +10,17 @@ import socket
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from partitioner.plan import Plan
 from pipeflow.actions import Action, Kind, Schedule
 from pipeflow.celink import PairSum
 from pipeflow.cesetup import reduce_transport
-from pipeflow.comm import P2P, World, nccl_p2p_options, new_group, new_groups
+from pipeflow.comm import P2P, World, new_group, new_groups
 from pipeflow.kinds import ScheduleKind
 from pipeflow.reduce import GradReducer, Tie
 from pipeflow.stage import Stage
@@ -50,13 +52,13 @@ def make_links(world: World, plan: Plan, ties: list[Tie]) -> Links:
     # Two groups per pair: one per direction (see comm.P2P), so create each rank set twice (or 2n times with
     # n groups per channel taken in turn, gloo_turns).
     groups: dict[tuple[int, int, str], Any] = {}
-    options = p2p_group_options(world.backend, world.timeout_s)
+    options = p2p_group_options(world.backend, world.group_timeout_s)
     turns = gloo_turns(world)
     for a, b, d in pairs:
         if world.size == 1:
             groups[(a, b, d)] = None
         else:
-            channel = [new_group(sorted((a, b)), options, timeout_s=world.timeout_s) for _ in range(turns)]
+            channel = [new_group(sorted((a, b)), options, timeout_s=world.group_timeout_s) for _ in range(turns)]
             groups[(a, b, d)] = channel[0] if turns == 1 else Turns(channel)
     rank_groups = plan.stages[:plan.groups]
     replica_groups = new_groups(world, [st.ranks for st in rank_groups if st.replicas > 1])
@@ -243,4 +245,10 @@ def p2p_group_options(backend: str, timeout_s: float) -> Any:
     leave the SMs to compute; a high-priority stream lets transfers jump the compute queue."""
     if backend != "nccl":
         return None
-    return nccl_p2p_options(p2p_max_ctas(), timeout_s)
+    opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+    opts._timeout = timedelta(seconds=timeout_s)  # as new_group's timeout=, which torch warns it overrides
+    max_ctas = p2p_max_ctas()  # 0: NCCL's own choice
+    if max_ctas > 0:
+        opts.config.max_ctas = max_ctas
+        opts.config.min_ctas = min(opts.config.min_ctas, max_ctas) if opts.config.min_ctas > 0 else 1
+    return opts
