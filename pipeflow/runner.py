@@ -10,6 +10,7 @@ import torch
 
 from partitioner.plan import Plan
 from pipeflow.config import TrainConfig
+from pipeflow.failure import StopTraining
 from pipeflow.mfu import mfu, peak_tflops
 from pipeflow.planning import resolve_warmup
 from pipeflow.spec import ModelSpec, model_dtype
@@ -138,21 +139,25 @@ def run(args: TrainConfig, spec: ModelSpec, plan: Plan, comm: Control, watchdog:
         supervisor.after_step(step)
 
     monitor.start(start)
-    if engine.flush:
-        for k in range(start, args.steps):
-            pipe.step(loss=False)  # the loss is read at reports only: no device sync per step
-            report(k)
-            evaluate(k + 1)
-    else:  # segments that fill and drain the pipeline; checkpoints and stops at their ends (stash.py)
-        for first, count in supervisor.segments(start):
-            def on_step(n: int, first: int = first) -> None:  # report each minibatch the (n+1)-th STEP completes
-                per = engine.microbatches_per_step
-                for k in range(first + n * per // m, first + (n + 1) * per // m):
-                    report(k)
+    try:
+        if engine.flush:
+            for k in range(start, args.steps):
+                pipe.step(loss=False)  # the loss is read at reports only: no device sync per step
+                report(k)
+                evaluate(k + 1)
+        else:  # segments that fill and drain the pipeline; checkpoints and stops at their ends (stash.py)
+            for first, count in supervisor.segments(start):
+                def on_step(n: int, first: int = first) -> None:  # report each minibatch the (n+1)-th STEP completes
+                    per = engine.microbatches_per_step
+                    for k in range(first + n * per // m, first + (n + 1) * per // m):
+                        report(k)
 
-            pipe.run_segment(first, count, on_step)
-            supervisor.after_segment(first + count)
-            evaluate(first + count)
+                pipe.run_segment(first, count, on_step)
+                supervisor.after_segment(first + count)
+                evaluate(first + count)
+    except StopTraining:  # every rank at one step boundary (a signal, an agreed non-finite stop): --trace written,
+        monitor.close()   # its steps kept for a resumed run to append to (trace.append_trace)
+        raise
     supervisor.close()
     monitor.close()
     if engine.owns_loss and first_report is not None and first_report[0] < args.steps:
