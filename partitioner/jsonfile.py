@@ -4,6 +4,7 @@ one atomic writer, so that a reader sees the old file or the whole new one, neve
 mid-write leaves the old file)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -112,14 +113,38 @@ def check_fields(d: Any, fields: Mapping[str, Field], *, source: str, error: typ
     return d
 
 
-def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+def _temporary_prefix(path: Path) -> str:
+    """atomic_write's temporary file of `path` is this and the writer's pid, beside it: `.plan.json.tmp-4242`."""
+    return f".{path.name}.tmp-"
+
+
+def remove_leftovers(path: Path) -> None:
+    """Remove the temporary files of `path` (`.NAME.tmp-PID`, atomic_write's) that processes killed while writing it
+    left behind (kill -9: no handler to remove them): each is as large as the file. Only for a file that one process
+    writes at a time (a checkpoint's, under its directory's lock): another's temporary file would be in use. A file
+    that cannot be removed stays, unreported: it does not stop the write."""
+    prefix = _temporary_prefix(path)
+    try:
+        entries = list(path.parent.iterdir())
+    except OSError:
+        return
+    for p in entries:
+        if p.name.startswith(prefix) and p.name[len(prefix):].isdigit():
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], object], *, sweep: bool = False) -> None:
     """Temporary file in the same directory, fsync, rename over `path`, fsync the directory: a reader
     sees the old file or the whole new one, never a part. A symbolic link is written through: its
-    target is replaced, the link stays."""
+    target is replaced, the link stays. `sweep`: first remove the temporary files of `path` that other
+    processes left (remove_leftovers)."""
     path = Path(path)
     if path.is_symlink():
         path = Path(os.path.realpath(path))
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    if sweep:
+        remove_leftovers(path)
+    tmp = path.with_name(f"{_temporary_prefix(path)}{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             write(f)
@@ -136,11 +161,11 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
         os.close(fd)
 
 
-def write_json(path: str | Path, value: Any) -> None:
-    """`value` as indented JSON and a newline, written atomically (atomic_write). An OSError names `path`
-    itself, not the temporary file: "[Errno 2] No such file or directory: 'out/plan.json'"."""
+def write_json(path: str | Path, value: Any, *, sweep: bool = False) -> None:
+    """`value` as indented JSON and a newline, written atomically (atomic_write, `sweep` as there). An OSError names
+    `path` itself, not the temporary file: "[Errno 2] No such file or directory: 'out/plan.json'"."""
     text = json.dumps(value, indent=1) + "\n"
     try:
-        atomic_write(Path(path), lambda f: f.write(text.encode()))
+        atomic_write(Path(path), lambda f: f.write(text.encode()), sweep=sweep)
     except OSError as e:
         raise OSError(e.errno, e.strerror, str(path)) from None

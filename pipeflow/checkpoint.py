@@ -3,7 +3,8 @@
     D/step-000005/stage-000.pt   weights, optimizer state, RNG of (model) stage 0
     D/step-000005/stage-001.pt
     D/step-000005/COMPLETE       JSON written by rank 0 once every stage confirmed its file, with each
-                                 file's size and sha256, so that a resume can verify them exactly
+                                 file's size and sha256, so that a resume can verify them exactly, and the
+                                 steps skipped so far (--skip-nonfinite), so that --max-skips holds across it
 
 Weights use the keys of nn.Sequential(*spec.layers) ("3.fc.weight") and optimizer state is keyed by
 the same parameter names, so a checkpoint resumes under any plan or number of workers. A rank holding
@@ -163,8 +164,9 @@ class _HashingSink:
         self.f.flush()
 
 
-def write_torch(path: Path, obj: Any) -> tuple[int, str]:
-    """torch.save `obj` to `path` atomically; returns (bytes, sha256 hex). A failed write raises its OSError
+def write_torch(path: Path, obj: Any, *, sweep: bool = False) -> tuple[int, str]:
+    """torch.save `obj` to `path` atomically (`sweep`: first removing the temporary files of `path` that killed
+    writers left, jsonfile.remove_leftovers); returns (bytes, sha256 hex). A failed write raises its OSError
     (ENOSPC names itself), not torch's errno-less RuntimeError."""
     digest: list[tuple[int, str]] = []
 
@@ -178,7 +180,7 @@ def write_torch(path: Path, obj: Any) -> tuple[int, str]:
             raise
         digest.append((sink.size, sink.sha.hexdigest()))
 
-    atomic_write(path, write)
+    atomic_write(path, write, sweep=sweep)
     return digest[0]
 
 
@@ -198,11 +200,14 @@ def reason(e: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(e).__name__
 
 
-def save(engine: Any, root: str | Path, step: int, comm: Any, run_info: dict[str, Any]) -> Path:
+def save(engine: Any, root: str | Path, step: int, comm: Any, run_info: dict[str, Any], *,
+         skipped: tuple[int, int] = (0, 0)) -> Path:
     """Collective: replica 0 of every rank group writes the file of each stage it holds (one per chunk under
-    interleaving); rank 0 writes COMPLETE, with every file's size and
-    sha256, once all confirmed. A failure on any rank raises CheckpointError on every rank ("checkpoint of step
-    5 to D/step-000005 failed: ...: No space left on device"), the step left without its marker."""
+    interleaving), removing first what a writer killed before it left of that file (its temporary files: a step
+    written again after a kill -9); rank 0 writes COMPLETE, with every file's size and sha256 and its writer's
+    `skipped` (steps skipped in a row and in all, guard.StepGuard), once all confirmed. A failure on any rank raises
+    CheckpointError on every rank ("checkpoint of step 5 to D/step-000005 failed: ...: No space left on device"),
+    the step left without its marker."""
     d = step_dir(root, step)
     error: str | None = None
     if comm.Get_rank() == 0:
@@ -219,21 +224,22 @@ def save(engine: Any, root: str | Path, step: int, comm: Any, run_info: dict[str
         try:
             d.mkdir(parents=True, exist_ok=True)
             payload = stage_payload(engine, step, run_info, k, None if gathered is None else gathered[k])
-            written.append((k, *write_torch(path, payload)))
+            written.append((k, *write_torch(path, payload, sweep=True)))
         except (OSError, RuntimeError) as e:  # RuntimeError: torch's writer failed without an OSError behind
             error = f"cannot write {path.name}: {reason(e)}"
             break
-    results = comm.allgather((error, written))
-    errors = [e for e, _ in results if e]
+    results = comm.allgather((error, written, skipped))
+    errors = [e for e, _, _ in results if e]
     if errors:
         raise CheckpointError(f"checkpoint of step {step} to {d} failed: {errors[0]}")
     if comm.Get_rank() == 0:
-        sums = {s: (n, sha) for _, w in results for s, n, sha in w}
+        sums = {s: (n, sha, skips) for _, w, skips in results for s, n, sha in w}
         stages = [{"file": stage_file(d, s).name, "layers": list(st.layers), "bytes": sums[s][0],
-                   "sha256": sums[s][1]} for s, st in enumerate(engine.plan.stages)]
+                   "sha256": sums[s][1], "skipped_in_a_row": sums[s][2][0], "skipped_in_all": sums[s][2][1]}
+                  for s, st in enumerate(engine.plan.stages)]
         marker = {"format": CKPT_FORMAT, "step": step, "stages": stages, "run": run_info}
         try:
-            write_json(d / MARKER, marker)
+            write_json(d / MARKER, marker, sweep=True)
         except OSError as e:
             error = f"checkpoint of step {step} to {d} failed: cannot write {MARKER}: {e.strerror}"
     error = comm.bcast(error, root=0)

@@ -38,11 +38,8 @@ class World:
     timeout_s: float = 300.0  # --timeout: after it the watchdog names a rank gone silent and ends the job
 
     @property
-    def group_timeout_s(self) -> float:
-        """How long an operation of the process groups pipeflow makes waits (torch's default: 30 minutes): twice
-        --timeout, so that a rank gone silent is named by the watchdog first, in one line, and two live ranks each
-        waiting for a transfer the other never posts still end."""
-        return 2 * self.timeout_s
+    def group_timeout_s(self) -> float:  # what pipeflow's process groups wait: twice --timeout (docs/failures.md)
+        return 2 * self.timeout_s  # the watchdog names a silent rank first; live ranks waiting on each other end
 
 
 def _free_port() -> int:
@@ -146,13 +143,17 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def nccl_p2p_options(max_ctas: int, timeout_s: float) -> Any:
+    """NCCL options of a point-to-point group: a high-priority stream, at most `max_ctas` CTAs (0: NCCL's)."""
+    opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+    opts._timeout = timedelta(seconds=timeout_s)  # as new_group's timeout=, which torch warns it overrides
+    if max_ctas > 0:
+        opts.config.max_ctas = max_ctas
+        opts.config.min_ctas = min(opts.config.min_ctas, max_ctas) if opts.config.min_ctas > 0 else 1
+    return opts
+
+
 TensorMeta = tuple[tuple[int, ...], torch.dtype, bool]  # shape, dtype, requires_grad
-
-
-def _not_sequence(x: Any) -> bool:
-    """Pytree leaves for stage data: everything but tuples and lists (a dict or None is a leaf, so that
-    it is refused by name instead of being walked into or dropped)."""
-    return not isinstance(x, (tuple, list))
 
 
 class P2P:

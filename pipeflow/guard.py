@@ -41,10 +41,11 @@ class StepGuard:
         # Losses this worker appends per STEP (flush: its forwards; async: one per microbatch).
         self.losses_per_step = max(1, sum(a.kind == "F" for a in actions) // max(1, sum(a.kind == "STEP"
                                                                                         for a in actions)))
-        self.step = 0          # STEPs (optimizer steps taken or skipped) so far, on this worker
+        self.step = 0          # STEPs (optimizer steps taken or skipped) so far, on this worker, from the run's start
         self.bad_loss = False  # since the last agreement
         self.bad_grad = False
-        self.skipped: list[int] = []
+        self.skipped: list[int] = []  # the STEPs skipped in this process
+        self.skipped_before = 0  # ... and before it, up to the checkpoint it resumed from (resume)
         self.stop_reason: str | None = None
         self.exit_code = 0
         # On GPUs with a fused optimizer the check needs no host sync: the optimizer skips a non-finite
@@ -59,6 +60,18 @@ class StepGuard:
         self.pending: list[tuple[int, torch.Tensor, Any]] = []  # (step, host [bad_grad, bad_loss], event)
         self._free: list[tuple[torch.Tensor, Any]] = []  # settled (host, event) pairs, reused by _lagged
         self._ones: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def resume(self, step: int, *, in_a_row: int = 0, in_all: int = 0) -> None:
+        """Go on from a checkpoint after `step` minibatches as an uninterrupted run would: its STEPs counted from the
+        run's start (a stage's updates under async: ScheduledLr.begin's count), so that every line names the run's
+        step or update, and the skips the checkpoint recorded (restore.skipped), so that --max-skips holds across it."""
+        self.step = step * self.engine.m // self.engine.microbatches_per_step
+        self.consecutive, self.skipped_before = in_a_row, in_all
+
+    @property
+    def skipped_in_all(self) -> int:
+        """STEPs skipped from the run's start, resumed runs included (a checkpoint records it)."""
+        return self.skipped_before + len(self.skipped)
 
     def _device_flags(self) -> torch.Tensor:
         """[bad_grad, bad_loss] (float32) on this stage's device, without reading them: one multi-tensor
@@ -143,7 +156,7 @@ class StepGuard:
                                      "was not applied. Lower --lr, check the data, or pass --skip-nonfinite")
             if self.max_skips and self.consecutive >= self.max_skips:
                 raise NonFiniteError(f"non-finite {what} at update {step + 1} on stage {self.engine.s}: "
-                                     f"{self._skip_count(len(self.skipped))}. Lower --lr or check the data")
+                                     f"{self._skip_count(self.skipped_in_all)}. Lower --lr or check the data")
             log.warning("non-finite %s at update %d on stage %d: skipped (--skip-nonfinite)", what, step + 1,
                         self.engine.s)
             return True
@@ -182,7 +195,7 @@ class StepGuard:
                 self.consecutive += 1
                 if self.max_skips and self.consecutive >= self.max_skips and self.stop_reason is None:
                     # This step is skipped too (the caller records it after we return).
-                    count = self._skip_count(len(self.skipped) + 1)
+                    count = self._skip_count(self.skipped_in_all + 1)
                     self.stop_reason = f"{text}: {count}. Lower --lr or check the data"
                     self.exit_code = EXIT_NONFINITE
                 elif self.comm.Get_rank() == 0:

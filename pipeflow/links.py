@@ -10,17 +10,15 @@ import socket
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from partitioner.plan import Plan
 from pipeflow.actions import Action, Kind, Schedule
 from pipeflow.celink import PairSum
 from pipeflow.cesetup import reduce_transport
-from pipeflow.comm import P2P, World, new_group, new_groups
+from pipeflow.comm import P2P, World, nccl_p2p_options, new_group, new_groups
 from pipeflow.kinds import ScheduleKind
 from pipeflow.reduce import GradReducer, Tie
 from pipeflow.stage import Stage
@@ -245,10 +243,4 @@ def p2p_group_options(backend: str, timeout_s: float) -> Any:
     leave the SMs to compute; a high-priority stream lets transfers jump the compute queue."""
     if backend != "nccl":
         return None
-    opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-    opts._timeout = timedelta(seconds=timeout_s)  # as new_group's timeout=, which torch warns it overrides
-    max_ctas = p2p_max_ctas()  # 0: NCCL's own choice
-    if max_ctas > 0:
-        opts.config.max_ctas = max_ctas
-        opts.config.min_ctas = min(opts.config.min_ctas, max_ctas) if opts.config.min_ctas > 0 else 1
-    return opts
+    return nccl_p2p_options(p2p_max_ctas(), timeout_s)

@@ -133,7 +133,7 @@ def _marker_problem(marker: Any) -> str | None:
         if not isinstance(stage, dict):
             return f"stages[{k}] {_shown(stage)}"
         for key, rule in MARKER_STAGE_FIELDS.items():
-            if key not in stage and key in ("file", "layers"):  # bytes and sha256: absent in older markers
+            if key not in stage and key in ("file", "layers"):  # the others: absent in older markers
                 return f"stages[{k}] without {key!r}"
             if key in stage and field_problem(stage, {key: rule}) is not None:
                 return f"stages[{k}].{key} {_shown(stage[key])}"
@@ -144,15 +144,23 @@ def _shown(value: Any) -> str:
     return f"{reprlib.repr(value)} (a {type(value).__name__})"
 
 
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 def _is_range(x: Any) -> bool:
-    return (isinstance(x, list) and len(x) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in x)
-            and 0 <= x[0] < x[1])
+    return isinstance(x, list) and len(x) == 2 and all(map(_is_count, x)) and x[0] < x[1]
+
+
+def _overlaps(layers: list[int], spans: list[tuple[int, int]]) -> bool:  # layers [lo, hi) meet a span [a, b)
+    return any(layers[0] < b and a < layers[1] for a, b in spans)
 
 
 # The COMPLETE marker's fields (checkpoint.save writes them), checked by partitioner.jsonfile's one validator.
 MARKER_FIELDS: dict[str, Field] = {"format": lambda f: f == CKPT_FORMAT, "step": int, "run": dict, "stages": list}
 MARKER_STAGE_FIELDS: dict[str, Field] = {"file": lambda f: isinstance(f, str) and "/" not in f, "layers": _is_range,
-                                         "bytes": int, "sha256": str}
+                                         "bytes": int, "sha256": str, "skipped_in_a_row": _is_count,
+                                         "skipped_in_all": _is_count}
 
 
 # ---------------------------------------------------------------------------------------- reading
@@ -221,7 +229,7 @@ def load(engine: Any, d: Path, run_info: dict[str, Any], marker: dict[str, Any] 
     files = []
     for st in marker["stages"]:
         lo, hi = st["layers"]
-        if not any(lo < b and a < hi for a, b in spans):
+        if not _overlaps(st["layers"], spans):
             continue
         path = d / st["file"]
         obj = load_stage_file(path)
@@ -264,6 +272,15 @@ def load(engine: Any, d: Path, run_info: dict[str, Any], marker: dict[str, Any] 
         log.info("stage %d: the checkpoint splits the layers differently; RNG state starts "
                  "fresh (weights and optimizer state are restored per layer)", engine.s)
     return int(marker["step"])
+
+
+def skipped(engine: Any, marker: dict[str, Any]) -> tuple[int, int]:
+    """(steps skipped in a row, in all) up to the checkpoint (--skip-nonfinite), as its writers counted them: the most
+    over the marker's stages holding this rank's layers (the same on every stage under flush schedules, which agree;
+    a stage's own updates under async and 2bw). Markers without the counts (older versions) give 0."""
+    spans = [chunk_layers(c) for c in chunks(engine).values()]
+    mine = [st for st in marker["stages"] if _overlaps(st["layers"], spans)] or [{}]
+    return max(st.get("skipped_in_a_row", 0) for st in mine), max(st.get("skipped_in_all", 0) for st in mine)
 
 
 def _load_optimizer(engine: Any, states: dict[str, dict[str, Any]]) -> None:

@@ -57,6 +57,10 @@ class Supervisor:
                 path, marker = choose(self.comm, self.args.resume, self.args.checkpoint_dir)
                 if path is not None:
                     step = restore.load(self.engine, path, self.run_info, marker)
+                    assert marker is not None  # choose reads the marker of the checkpoint it picks
+                    in_a_row, in_all = restore.skipped(self.engine, marker)
+                    # Steps (async: updates) numbered and skips counted on from the checkpoint, as if never stopped
+                    self.guard.resume(step, in_a_row=in_a_row, in_all=in_all)
             except checkpoint.CheckpointError as e:
                 error = str(e)
             error = self.comm.agree(error)
@@ -138,7 +142,8 @@ class Supervisor:
 
         assert self.args.checkpoint_dir is not None  # called only with --checkpoint-dir
         try:
-            self.saved = checkpoint.save(self.engine, self.args.checkpoint_dir, step, self.comm, self.run_info)
+            self.saved = checkpoint.save(self.engine, self.args.checkpoint_dir, step, self.comm, self.run_info,
+                                         skipped=(self.guard.consecutive, self.guard.skipped_in_all))
         except checkpoint.CheckpointError as e:
             raise AgreedError(str(e)) from None
         self.saved_step = step

@@ -1,4 +1,4 @@
-"""Small test-only models for `--model tests.models:NAME` (dropout, BatchNorm, a float64 build)."""
+"""Small test-only models for `--model tests.models:NAME` (dropout, BatchNorm, a float64 build, NaN inputs)."""
 from __future__ import annotations
 
 import gc
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from pipeflow.models import mlp
 from pipeflow.spec import ModelSpec
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -63,6 +64,17 @@ def dropout_mlp(layers: int = 4, d_in: int = 6, hidden: int = 8, classes: int = 
     for m in mods:
         m.to(DTYPES[dtype])
     return ModelSpec(layers=mods, loss_fn=F.cross_entropy, dataset=_data(samples, d_in, classes))
+
+
+def nan_mlp(bad: tuple[int, ...] | list[int] = (16,), **kw: int) -> ModelSpec:
+    """The mlp with a NaN input at each sample of `bad`: with --no-shuffle and 4 microbatches of 2, sample 8k is
+    step k+1's first (16: step 3's), that is microbatch 4k's (async: update 4k+1 of each stage)."""
+    spec = mlp.build(**kw)
+    x, y = spec.dataset.tensors  # type: ignore[attr-defined]
+    x = x.clone()
+    x[list(bad), 0] = float("nan")
+    spec.dataset = TensorDataset(x, y)
+    return spec
 
 
 # weakrefs to every layer built with report_alive, and the last alive set a forward reported.

@@ -14,10 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import TensorDataset
 
-from pipeflow.models import mlp
-from pipeflow.spec import ModelSpec
 from tests.conftest import MPIRUN, Case, MpiRun, base_env, batched, in_background, mpi_env
 
 MLP = {"layers": 6, "hidden": 16, "d_in": 8, "samples": 256}
@@ -25,16 +22,6 @@ LONG = ["--model", "mlp", "--model-args", json.dumps(MLP), "--layers-per-stage",
         "--microbatch-size", "2",
         "--device", "cpu", "--steps", "1000000"]
 TIMEOUT = 6  # --timeout of the failure runs: seconds until a silent rank counts as failed
-
-
-def nan_mlp(bad_sample: int = 16, **kw: int) -> ModelSpec:
-    """The mlp with a NaN input at `bad_sample`: with --no-shuffle, 4 microbatches of 2, step 3's first."""
-    spec = mlp.build(**kw)
-    x, y = spec.dataset.tensors  # type: ignore[attr-defined]
-    x = x.clone()
-    x[bad_sample, 0] = float("nan")
-    spec.dataset = TensorDataset(x, y)
-    return spec
 
 
 def start(tmp_path: Path, np_: int, args: list[str]) -> tuple[subprocess.Popen[str], dict[int, int]]:
@@ -112,7 +99,7 @@ def test_killed_rank_ends_the_job_naming_it(tmp_path):
 
 def nonfinite(d: Path) -> list[Case]:
     """A flush schedule stops together at the step (exit 4, no MPI Abort), so both runs are batched."""
-    args = ["--model", "tests.test_failures:nan_mlp", "--model-args", json.dumps(MLP), "--no-shuffle",
+    args = ["--model", "tests.models:nan_mlp", "--model-args", json.dumps(MLP), "--no-shuffle",
             "--layers-per-stage", "even",
             "--microbatches", "4", "--microbatch-size", "2", "--device", "cpu", "--steps", "5",
             "--optimizer", "sgd", "--lr", "0.05", "--timeout", "60"]

@@ -51,3 +51,19 @@ def test_the_three_formats_report_through_the_one_validator(tmp_path: Path) -> N
     good = {"format": CKPT_FORMAT, "step": 1, "run": {}, "stages": [{"file": "s0.pt", "layers": [0, 1], "bytes": 3}]}
     (tmp_path / "COMPLETE").write_text(json.dumps(good))
     assert restore.read_marker(tmp_path) == good
+
+
+def test_a_write_that_sweeps_removes_only_its_own_files_leftovers(tmp_path: Path) -> None:
+    """atomic_write's temporary files (`.NAME.tmp-PID`) that killed writers left: a checkpoint's write (sweep=True)
+    removes those of its own file, and nothing else; a write without sweep leaves them."""
+    from partitioner.jsonfile import write_json
+
+    mine = [".COMPLETE.tmp-12", ".COMPLETE.tmp-999999"]
+    others = [".stage-000.pt.tmp-12", ".COMPLETE.tmp-12.bak", ".COMPLETE.tmp-x", "COMPLETE.tmp-12", ".COMPLETE"]
+    for name in mine + others:
+        (tmp_path / name).write_text("left")
+    write_json(tmp_path / "COMPLETE", {"a": 1})
+    assert {p.name for p in tmp_path.iterdir()} == {"COMPLETE", *mine, *others}
+    write_json(tmp_path / "COMPLETE", {"a": 2}, sweep=True)
+    assert {p.name for p in tmp_path.iterdir()} == {"COMPLETE", *others}
+    assert json.loads((tmp_path / "COMPLETE").read_text()) == {"a": 2}

@@ -19,7 +19,7 @@ TRAIN = ["--model", "mlp", "--model-args", json.dumps(MLP), "--layers-per-stage"
          "--steps", "3"]
 # A NaN input at sample 16: with --no-shuffle, step 3's first microbatch. Flush schedules stop all ranks
 # together at that step (exit 4) and return from main, with the process group and signal handlers set up.
-NAN = ["--model", "tests.test_failures:nan_mlp", "--model-args", json.dumps(MLP), "--no-shuffle",
+NAN = ["--model", "tests.models:nan_mlp", "--model-args", json.dumps(MLP), "--no-shuffle",
        "--layers-per-stage", "even", "--microbatches", "4", "--microbatch-size", "2", "--device", "cpu",
        "--steps", "5", "--optimizer", "sgd", "--lr", "0.05"]
 NAN_STOP = ("pipeflow-train: non-finite loss on stage {last} (the last) and gradients on stages {stages} at step 3; "

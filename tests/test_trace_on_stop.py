@@ -10,7 +10,7 @@ from tests.test_failures import MLP
 
 
 def stopped(d: Path) -> Case:
-    return Case(2, ["--model", "tests.test_failures:nan_mlp", "--model-args", json.dumps(MLP), "--no-shuffle",
+    return Case(2, ["--model", "tests.models:nan_mlp", "--model-args", json.dumps(MLP), "--no-shuffle",
                     "--layers-per-stage", "even", "--microbatches", "4", "--microbatch-size", "2", "--device", "cpu",
                     "--steps", "5", "--timeout", "60", "--trace", str(d / "trace.json"), "--tensorboard",
                     str(d / "tb")], check=False)
