@@ -25,26 +25,10 @@ from torch.utils._pytree import tree_map
 from pipeflow.data.loader import batch_leaf
 from pipeflow.failure import UsageError
 from pipeflow.received import received
+from pipeflow.seeds import layer_seed
 from pipeflow.spec import model_dtype
 from pipeflow.split import WeightGradStore, install
 from pipeflow.structure import OutputError, Tree, check_shared, join, shared_versions, split
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    """One splitmix64 step: a bijection of 64-bit integers that scatters nearby inputs."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def layer_seed(seed: int, microbatch: int, layer: int) -> int:
-    """The 63-bit seed of global layer `layer` on global microbatch `microbatch` (module docstring)."""
-    h = _splitmix64(seed & _MASK64)
-    h = _splitmix64(h ^ (microbatch & _MASK64))
-    return _splitmix64(h ^ (layer & _MASK64)) >> 1
 
 
 def _as_tuples(x: Any) -> Any:
