@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from partitioner.accumulation import gemm_variant, plan_accumulation
 from partitioner.auto import AUTO, candidates_table, plan_schedule
 from partitioner.batch import global_batch_table, plan_global_batch
-from partitioner.inputs import check_microbatches, check_workers, resolve_topology, virtual_stages
+from partitioner.inputs import check_microbatches, check_optimizer, check_workers, resolve_topology, virtual_stages
 from partitioner.outputs import check_output, same_file
 from partitioner.plan import Plan, PlanError, even_plan
 from partitioner.planner import OPTIMIZER_STATES, SCHEDULES, PlanningError
@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             mb = _microbatches(args.microbatches or "auto")
             resolve_topology(args.workers, None)  # refuse sizes before reading anything
         profile = Profile.load(args.profile)
+        check_optimizer(profile, args.optimizer, args.profile)  # before planning: else priced at 0
         if args.evaluate is not None:
             planned = _evaluate(args, profile)
         elif args.layers_per_stage is not None:

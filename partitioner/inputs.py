@@ -1,4 +1,5 @@
-"""The planning service's checks of its inputs: worker count, microbatch count, virtual stages and topology (pure)."""
+"""The planning service's checks of its inputs: worker count, microbatch count, virtual stages, topology and the
+optimizer the profile timed (pure)."""
 from __future__ import annotations
 
 from partitioner.costmodel import PlanningError
@@ -54,3 +55,15 @@ def virtual_stages(given: int | None, schedule: str) -> int:
         raise PlanningError(f"--virtual-stages {given} needs a schedule that places chunks round-robin "
                             f"({', '.join(chunked)}), found --schedule {schedule}")
     return given if given is not None else DEFAULT_VIRTUAL_STAGES if schedule in chunked else 1
+
+
+def check_optimizer(profile: Profile, optimizer: str, source: str = "the profile") -> None:
+    """--optimizer among the updates the profile timed (optimizer_ms_per_byte); else its updates would be priced at 0
+    and a slower optimizer would look the cheaper. A profile that timed none (made before the field, or of a model
+    without parameters) prices every update at 0, as formats.md says."""
+    timed = sorted(profile.optimizer_ms_per_byte)
+    if timed and optimizer not in timed:
+        flags = " or ".join(f"--optimizer {name}" for name in timed)
+        raise PlanningError(f"--optimizer {optimizer}: {source} timed the update of {', '.join(timed)} only "
+                            f"(optimizer_ms_per_byte), so {optimizer}'s updates would be priced at 0; plan with "
+                            f"{flags}, or profile again with pipeflow-profile --optimizer {optimizer}")

@@ -99,6 +99,7 @@ class Pipeline:
         from pipeflow.config import check_clip_grad_norm
         from pipeflow.engine import Engine
         from pipeflow.planning import check_model_on_plan, replicated_statistics
+        from pipeflow.replicabuffers import BufferWatch
         from pipeflow.trainable import TrainableWatch
 
         if microbatches is not None and microbatches < 1:
@@ -124,6 +125,7 @@ class Pipeline:
         self.unread = 0      # minibatches whose losses take_loss has not read yet
         self.in_step = False  # inside step() or run_segment() (or after one that failed): no evaluate()
         self.trainable = TrainableWatch(self.engine)  # requires_grad changed between steps of your loop
+        self.buffers = BufferWatch(self.engine)  # a replicated stage's forward updates buffers: warned after step 1
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -151,7 +153,7 @@ class Pipeline:
         elif x is not None or target is not None:
             raise ValueError("this Pipeline reads its data from the loader it was built with; call step()")
         self.in_step = True  # until the step ends: evaluate() refuses to run inside it
-        with self._all_or_none():
+        with self._all_or_none(), self.buffers.first_step():
             if self.engine.flush:
                 self.engine.train_step(self.step_count)
             else:  # an asynchronous schedule: a segment of one minibatch, which fills and drains (stash.py)
@@ -167,7 +169,8 @@ class Pipeline:
         list; `on_step(n)` after its n-th optimizer step (pipeflow-train's checkpoints cut segments)."""
         self.in_step = True
         self.engine.begin_segment(first, steps)
-        self.engine.run(self.engine.actions, on_step=on_step)
+        with self.buffers.first_step():
+            self.engine.run(self.engine.actions, on_step=on_step)
         self.in_step = False
         self.step_count = first + steps
         self.unread += steps

@@ -37,12 +37,25 @@ class ModelSpec:
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, nn.Module):
                 raise TypeError(f"ModelSpec.layers[{i}] is {type(layer).__name__}, expected an nn.Module")
+            lazy = uninitialized(layer)
+            if lazy:  # torch pipelining and DeepSpeed need them materialized too: shapes decide splits and buffers
+                raise ValueError(f"ModelSpec.layers[{i}] ({type(layer).__name__}) has an uninitialized parameter "
+                                 f"{lazy!r} (a lazy module such as nn.LazyLinear), but pipeflow needs every "
+                                 "parameter's shape at set-up, to profile, plan and replicate the layers: run one "
+                                 "forward on a sample before building the ModelSpec (nn.Sequential(*layers)(x)), or "
+                                 "give the layer its input size (nn.Linear(in_features, ...))")
         if isinstance(self.loss_fn, nn.Module):
             names = [n for n, _ in self.loss_fn.named_parameters()]
             if names:  # no stage holds them: no optimizer would ever update them
                 raise ValueError(f"the loss {type(self.loss_fn).__name__} has parameters ({', '.join(names[:3])}), "
                                  f"which pipeflow would never train: only the layers' parameters are; expected a "
                                  f"loss without parameters, so move them into the last layer")
+
+
+def uninitialized(layer: nn.Module) -> str | None:
+    """The name of the layer's first parameter or buffer a lazy module has not materialized yet, or None."""
+    named = [*layer.named_parameters(), *layer.named_buffers()]
+    return next((n for n, t in named if nn.parameter.is_lazy(t)), None)
 
 
 def model_dtype(module: nn.Module) -> torch.dtype | None:

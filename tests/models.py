@@ -1,4 +1,5 @@
-"""Small test-only models for `--model tests.models:NAME` (dropout, BatchNorm, a float64 build, NaN inputs)."""
+"""Small test-only models for `--model tests.models:NAME` (dropout, BatchNorm, an EMA buffer, lazy layers, a float64
+build, NaN inputs)."""
 from __future__ import annotations
 
 import gc
@@ -116,6 +117,39 @@ def batchnorm_mlp(layers: int = 4, d_in: int = 6, hidden: int = 8, classes: int 
     data = _data(samples, d_in, classes)
     x, y = data.tensors
     return ModelSpec(layers=mods, loss_fn=F.cross_entropy, dataset=TensorDataset(x[:, :-1], y))
+
+
+class EmaLayer(nn.Module):
+    """tanh(fc(x) - ema): a training forward moves `ema` towards the microbatch's mean, as a BatchNorm-free
+    running normaliser does (a buffer that pipeflow/replicabuffers.py finds changed); `scale` never changes."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.register_buffer("ema", torch.zeros(d))
+        self.register_buffer("scale", torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.training:
+            with torch.no_grad():
+                self.ema.mul_(0.7).add_(0.3 * h.mean(0))
+        return torch.tanh(h - self.ema) * self.scale
+
+
+def ema_mlp(layers: int = 3, d: int = 6, classes: int = 3, samples: int = 64) -> ModelSpec:
+    """`layers - 1` EmaLayers and a linear head."""
+    data = _data(samples, d, classes)
+    x, y = data.tensors
+    mods: list[nn.Module] = [EmaLayer(d) for _ in range(layers - 1)] + [nn.Linear(d, classes)]
+    return ModelSpec(layers=mods, loss_fn=F.cross_entropy, dataset=TensorDataset(x[:, :-1], y))
+
+
+def lazy_mlp(d: int = 6, classes: int = 3, samples: int = 32) -> ModelSpec:
+    """nn.LazyLinear layers, never run: their parameters are uninitialized (refused by ModelSpec)."""
+    x, y = _data(samples, d, classes).tensors
+    return ModelSpec(layers=[nn.LazyLinear(8), nn.ReLU(), nn.LazyLinear(classes)], loss_fn=F.cross_entropy,
+                     dataset=TensorDataset(x[:, :-1], y))
 
 
 _WRITTEN: dict[str, list[float]] = {}  # per witness log: when this process last wrote to it, how many times, forwards

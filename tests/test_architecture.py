@@ -37,7 +37,8 @@ PARTITIONER_MAY_IMPORT = {"pipeflow.schedule", "pipeflow.actions", "pipeflow.kin
 PROFILER_MAY_IMPORT = PARTITIONER_MAY_IMPORT | {"pipeflow.spec", "pipeflow.data.loader", "pipeflow.split",
                                                 "pipeflow.received", "pipeflow.structure",  # data as a stage has it
                                                 "pipeflow.failure",  # structure's refusal is a usage error
-                                                "pipeflow.graphcheck"}  # timed as the stages will run (graphs)
+                                                "pipeflow.graphcheck",  # timed as the stages will run (graphs)
+                                                "pipeflow.seeds"}  # the loader seeds a microbatch's sample reads
 PROFILER_MODULES = {"partitioner.profiler", "partitioner.layermem", "partitioner.chain", "partitioner.layertime",
                     "partitioner.companion"}  # they run the layers
 # The communication modules, the only ones that may import mpi4py or torch.distributed: pipeflow.comm (the

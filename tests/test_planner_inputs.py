@@ -235,3 +235,24 @@ def test_optional_profile_fields_round_trip_and_count(tmp_path: Path) -> None:
     d["loss_ms"] = -1
     with pytest.raises(ProfileError, match=r"loss_ms must be a number in \[0, 1e\+09\], found -1"):
         Profile.from_json(d)
+
+
+@pytest.mark.parametrize("how", [[], ["--evaluate", "PLAN"], ["--layers-per-stage", "even"]],
+                         ids=["plan", "evaluate", "layers-per-stage"])
+def test_an_optimizer_the_profile_did_not_time_is_refused_before_planning(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], how: list[str]) -> None:
+    """Priced at 0 it made adam look cheaper than the sgd the profile timed; a profile without the field (older ones)
+    still plans with any --optimizer, its updates at 0."""
+    sgd, old, out = tmp_path / "sgd.json", tmp_path / "old.json", tmp_path / "plan.json"
+    make_profile(optimizer_ms_per_byte={"sgd": 1e-6}).save(sgd)
+    make_profile().save(old)
+    written = tmp_path / "written.json"
+    assert main([str(old), "--workers", "2", "--microbatches", "4", "-o", str(written)]) == 0
+    args = [a.replace("PLAN", str(written)) for a in how] + ["--workers", "2", "--microbatches", "4", "-o", str(out)]
+    assert one_line_error(capsys, [str(sgd), *args]) == (
+        f"pipeflow-plan: error: --optimizer adam: {sgd} timed the update of sgd only (optimizer_ms_per_byte), so "
+        "adam's updates would be priced at 0; plan with --optimizer sgd, or profile again with pipeflow-profile "
+        "--optimizer adam")
+    assert not out.exists()
+    assert main([str(sgd), *args, "--optimizer", "sgd"]) == 0
+    assert main([str(old), *args, "--optimizer", "adamw"]) == 0
