@@ -105,8 +105,12 @@ _IN_BACKGROUND = threading.local()
 
 def base_env() -> dict[str, str]:
     """os.environ for a test's processes: as it is now, or in a test run in the background (`in_background`),
-    as it was at the session's start, not as a foreground test's monkeypatch leaves it meanwhile."""
-    return dict(_ENV_AT_START if getattr(_IN_BACKGROUND, "on", False) else os.environ)
+    as it was at the session's start, not as a foreground test's monkeypatch leaves it meanwhile. The repository
+    leads PYTHONPATH: a process started from the background while a foreground test has changed directory
+    (monkeypatch.chdir) found no module `tests` (`python -m tests.api_failing_layer`, once in four suite runs)."""
+    env = dict(_ENV_AT_START if getattr(_IN_BACKGROUND, "on", False) else os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    return env
 
 
 def mpi_env() -> dict[str, str]:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from pipeflow import train
-from tests.conftest import Case, MpiRun, batched
+from tests.conftest import Case, MpiRun, base_env, batched
 from tests.reference import reference_flush
 
 MLP = {"layers": 6, "hidden": 16, "d_in": 8, "samples": 256}
@@ -79,3 +82,12 @@ def test_failed_runs_do_not_disturb_the_next_in_one_job(mpi: MpiRun):
         torch.testing.assert_close(got_a[k], want[k], rtol=1e-9, atol=1e-11)
         assert torch.equal(got_a[k], got_c[k]), k
     assert any(not torch.equal(got_a[k], got_b[k]) for k in want)  # --seed 1 is another run
+
+
+def test_a_test_s_processes_find_the_tests_package_from_any_directory(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A background launch (`python -m tests.api_failing_layer`) started while a foreground test had changed
+    directory found no module `tests`: base_env puts the repository first on PYTHONPATH."""
+    monkeypatch.chdir(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", "import tests"], env=base_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
