@@ -30,7 +30,7 @@ def reference(*, clip: bool = True, momentum: float = MOMENTUM) -> tuple[dict[st
     net = nn.Sequential(*layers)
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=momentum)
     norms = []
-    for frozen, (x, y) in zip(FROZEN, batches()):
+    for frozen, (x, y) in zip(FROZEN, batches(len(FROZEN))):
         set_frozen(layers, frozen)
         opt.zero_grad()
         F.cross_entropy(net(x), y).backward()
@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
                            microbatches=4, device="cpu", clip_grad_norm=CLIP if clip else None,
                            shard_optimizer=mode == "shard", optimizer=optimizer) as pipe:
         try:
-            for frozen, (x, y) in zip(FROZEN, batches()):
+            for frozen, (x, y) in zip(FROZEN, batches(len(FROZEN))):
                 if mode == "lr0":
                     for group in pipe.optimizer.param_groups:
                         group["lr"] = 0.0 if layer_of[id(group["params"][0])] in frozen else LR

@@ -27,10 +27,10 @@ def model() -> list[nn.Module]:
     return [layer.double() for layer in mlp.build(layers=4, d_in=4, hidden=8, samples=16).layers]
 
 
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(BATCH, 4, generator=g, dtype=torch.float64), torch.randint(0, 10, (BATCH,), generator=g))
-            for _ in range(STEPS)]
+            for _ in range(steps)]
 
 
 def reference() -> tuple[dict[str, torch.Tensor], list[float]]:
