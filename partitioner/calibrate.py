@@ -57,6 +57,8 @@ from typing import Any
 
 import numpy as np
 
+from partitioner.costmodel import PlanningError
+from partitioner.inputs import check_optimizer
 from partitioner.jsonfile import read_json
 from partitioner.plan import Plan, PlanError
 from partitioner.price import contention_scale
@@ -263,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="another traced run on this machine (e.g. at another microbatch size, or data parallel), "
                         "read with the first: together they can tell compute_factor from action_ms")
     p.add_argument("--skip", type=int, default=2, help="first steps left out (warm-up; default 2)")
+    p.add_argument("--optimizer", help="the one pipeflow-train ran (default: the profile's if it timed one, else adam)")
     p.add_argument("-o", "--output", required=True, help="the first profile.json with the runtime's costs added")
     args = p.parse_args(argv)
     try:
@@ -273,10 +276,14 @@ def main(argv: list[str] | None = None) -> int:
             profile, plan = Profile.load(prof_path), Plan.load(plan_path)
             plan.validate(num_layers=len(profile.layers))
             runs.append((profile, plan, read_json(trace_path, "trace", ProfileError)))
-        found = calibrate(*runs[0], skip=args.skip, also=runs[1:])
+        timed = sorted(runs[0][0].optimizer_ms_per_byte)  # what the run's update costs beyond it is read
+        optimizer = args.optimizer or (timed[0] if len(timed) == 1 else "adam")
+        for prof_path, (profile, _, _) in zip([args.profile, *(a[0] for a in args.also)], runs):
+            check_optimizer(profile, optimizer, prof_path)  # else priced at 0, and its time read as the runtime's
+        found = calibrate(*runs[0], skip=args.skip, also=runs[1:], optimizer=optimizer)
         runs[0][0].with_costs({k: round(v, 6) if k.endswith("_ms") or k == "compute_factor" else v
                                 for k, v in found.items()}).save(args.output)
-    except (ProfileError, PlanError, OSError) as e:
+    except (ProfileError, PlanError, PlanningError, OSError) as e:
         print(f"calibrate: error: {e}", file=sys.stderr)
         return 2
     shown = {"layer_ms": "per layer {:.3f} ms", "compute_factor": "layers x {:.3f}", "message_ms":

@@ -409,3 +409,25 @@ def test_a_deferred_update_all_reduces_under_the_next_minibatch(schedule: str, s
         assert got > 8.0 and bound > 8.0
         return
     assert got == pytest.approx(step_ms) and bound == pytest.approx(step_ms)
+
+
+def test_calibrate_prices_the_update_of_the_optimizer_the_profile_timed(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A profile timed with pipeflow-profile --optimizer sgd: calibrate priced the run's update as adam's, untimed,
+    at 0, and read the whole STEP (the update's 0.4 ms too) as the runtime's update_ms."""
+    spans = {0: [("F0", 0.0, 1.5), ("SEND_F0", 1.5, 0.3), ("WAIT_B0", 1.8, 2.2), ("B0", 4.0, 1.5), ("STEP", 5.7, 1.0)],
+             1: [("WAIT_F0", 0.0, 1.8), ("F0", 1.8, 1.4), ("B0", 3.2, 1.4), ("SEND_B0", 4.6, 0.3), ("STEP", 4.9, 1.0)]}
+    prof = Profile("m", {}, "cpu", "float32", 1, [LayerProfile(f"l{i}", 1.0, 1.0, 0, 0, 1000) for i in range(2)],
+                   optimizer_ms_per_byte={"sgd": 4e-4})  # each stage's update: 0.4 ms
+    prof.save(tmp_path / "p.json")
+    straight("gpipe", 1).save(tmp_path / "plan.json")
+    (tmp_path / "t.json").write_text(json.dumps(trace(spans, 5)))
+    args = [str(tmp_path / x) for x in ("p.json", "plan.json", "t.json")] + ["-o", str(tmp_path / "out.json")]
+    assert calibrate_main(args) == 0
+    assert Profile.load(tmp_path / "out.json").update_ms == pytest.approx(0.6)
+    capsys.readouterr()
+    assert calibrate_main([*args, "--optimizer", "adam"]) == 2
+    assert capsys.readouterr().err == (
+        f"calibrate: error: --optimizer adam: {tmp_path / 'p.json'} timed the update of sgd only "
+        "(optimizer_ms_per_byte), so adam's updates would be priced at 0; plan with --optimizer sgd, or profile again "
+        "with pipeflow-profile --optimizer adam\n")
