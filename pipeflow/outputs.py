@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from partitioner.jsonfile import load_json
+from partitioner.outputs import same_file
 
 if TYPE_CHECKING:
     from pipeflow.config import TrainConfig
@@ -104,10 +105,6 @@ def check_outputs(args: TrainConfig) -> None:
             check_dir(flag, path)
 
 
-def _same(a: str, b: str) -> bool:
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
 def _among_checkpoints(path: str, checkpoint_dir: str) -> bool:
     """Whether `path` is one that writing checkpoints to `checkpoint_dir` replaces: a step directory, or in one,
     or the lock file."""
@@ -135,11 +132,11 @@ def check_clashes(args: TrainConfig) -> None:
               if path and path != "latest"]
     for k, (flag, path) in enumerate(outputs):
         for other, there in outputs[:k]:
-            if _same(path, there):
+            if same_file(path, there):
                 raise OutputError(f"{flag} {path}: is also {other}'s path, so one output would overwrite the other; "
                                   "give each output its own path")
         for other, there in inputs:
-            if _same(path, there) and (flag, other) != ("--checkpoint-dir", "--resume"):  # resuming where it left
+            if same_file(path, there) and (flag, other) != ("--checkpoint-dir", "--resume"):  # resuming where it left
                 raise OutputError(f"{flag} {path}: is also {other}'s path, an input of this run, which writing {flag} "
                                   f"would overwrite; give {flag} another path")
         if flag in ("--save", "--trace") and args.checkpoint_dir and _among_checkpoints(path, args.checkpoint_dir):

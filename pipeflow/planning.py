@@ -10,10 +10,12 @@ from typing import Any
 
 import torch
 
+from partitioner.costmodel import PlanningError
+from partitioner.inputs import virtual_stages as checked_virtual_stages
 from partitioner.plan import Plan, PlanError
 from pipeflow.config import TrainConfig
 from pipeflow.failure import UsageError
-from pipeflow.kinds import TABLE, WARMUP_SCHEDULES, schedule_kind
+from pipeflow.kinds import WARMUP_SCHEDULES, schedule_kind
 from pipeflow.spec import ModelSpec
 
 log = logging.getLogger("pipeflow")
@@ -35,16 +37,13 @@ def make_plan(args: TrainConfig, spec: ModelSpec, world_size: int, rank: int, mp
 
 
 def virtual_stages(args: TrainConfig, schedule: str | None = None) -> int:
-    """--virtual-stages, or the default of the schedule: 2 where chunks are placed round-robin, else 1."""
-    kind = schedule_kind(schedule or args.schedule or "1f1b")
-    v = args.virtual_stages
-    if v is not None and v < 1:
-        raise UsageError(f"--virtual-stages must be >= 1, found {v}")
-    if v is not None and v > 1 and kind.chunk_order is None:
-        names = ", ".join(k.name for k in TABLE if k.chunk_order is not None)
-        raise UsageError(f"--virtual-stages {v} needs a schedule that places chunks round-robin ({names}), "
-                         f"found --schedule {kind.name}")
-    return v if v is not None else kind.default_virtual_stages
+    """--virtual-stages, or the default of the schedule: 2 where chunks are placed round-robin, else 1; checked as
+    pipeflow-plan checks it (partitioner.inputs.virtual_stages)."""
+    name = schedule_kind(schedule or args.schedule or "1f1b").name  # an unknown name: ScheduleError, as before
+    try:
+        return checked_virtual_stages(args.virtual_stages, name)
+    except PlanningError as e:
+        raise UsageError(str(e)) from None
 
 
 def check_planning_flags(args: TrainConfig, world_size: int) -> None:

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
-import reprlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from partitioner.jsonfile import Field, field_problem, load_json
+from partitioner.jsonfile import Field, field_problem, load_json, show_repr
 from pipeflow.checkpoint import (
     _STEP_RE,
     CKPT_FORMAT,
@@ -141,7 +140,7 @@ def _marker_problem(marker: Any) -> str | None:
 
 
 def _shown(value: Any) -> str:
-    return f"{reprlib.repr(value)} (a {type(value).__name__})"
+    return f"{show_repr(value)} (a {type(value).__name__})"
 
 
 def _is_count(x: Any) -> bool:
