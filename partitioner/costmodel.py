@@ -7,8 +7,8 @@ order of this bound and lets the simulator decide, so the plan chosen is the bes
 Bound (time per minibatch of m microbatches, ms). A stage [i, j) on r units of level k, linked at
 bandwidth bw_k, with t = forward + backward (+ the loss on the last layer, + the runtime's own time per
 forward and backward and per message it sends: LayerCosts.stage_overhead_ms, which the simulator's stage
-costs use too) per microbatch, b its backward,
-P its parameter bytes, q = ceil(m / r) the microbatches of its busiest replica (round-robin), costs
+costs use too) per microbatch, b its backward, P its parameter bytes (a shared parameter once: LayerCosts.ties),
+q = ceil(m / r) the microbatches of its busiest replica (round-robin), costs
 
     busy  = U(i, j) * q / m + steps * (max(0, AR(P, r, bw_k) - b) + opt * P)
     port  = q * (in_bytes + out_bytes) / bw_k
@@ -29,7 +29,8 @@ replica's first forward waits for the forwards of layers [0, i) (F), its first b
 trip through layers [j, L) (T, f the stage's forward), and after its last backward the gradient still
 crosses the backwards of [0, i) (B) while the stage all-reduces and steps (busy' and exposed: busy
 without, and with, the step's part; q' = q on one level, 1 above). A plan's bound is the maximum over
-its stages; every worker is used. Schedule rules: `async` needs r | m, `2bw` r <= m.
+its stages; every worker is used. Schedule rules: `async` needs r | m, `2bw` r <= m, and neither
+splits the layers sharing a parameter over stages (ScheduleKind.ties_allowed).
 
 Memory is checked on level-0 stages: parameters * (2 + optimizer states + weight versions) plus the
 activations of the microbatches in flight, ceil(D / r) for 1F1B-like schedules (D = workers from this
@@ -38,87 +39,16 @@ the port's bytes too. In a group of a multi-level topology D is bounded by (work
 workers outside it): conservative."""
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from partitioner.layercosts import LayerCosts, PlanningError
 from partitioner.topology import Topology
 from pipeflow.kinds import SCHEDULES, InFlight, ScheduleKind, schedule_kind, zero_bubble_limit
 
 OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2}  # momentum; exp_avg + exp_avg_sq
 INF = float("inf")
-
-
-class PlanningError(ValueError):
-    """No plan satisfies the inputs; the message says which constraint and by how much."""
-
-
-@dataclass
-class LayerCosts:
-    """Per-layer columns of a profile (ms per microbatch, bytes)."""
-
-    forward_ms: np.ndarray
-    backward_ms: np.ndarray  # with gradient accumulation where the profile measured it
-    output_bytes: np.ndarray
-    activation_bytes: np.ndarray
-    parameter_bytes: np.ndarray
-    loss_ms: float = 0.0  # forward + backward of the loss per microbatch, on the last layer's stage
-    optimizer_ms_per_byte: float = 0.0  # one optimizer step, per parameter byte
-    backward_weight_ms: np.ndarray | None = None  # the W share of backward_ms (zero-bubble schedules)
-    action_ms: float = 0.0  # the runtime's own time per forward and per backward of a stage (profile.action_ms)
-    message_ms: float = 0.0  # the sender's time per message to a neighbouring stage (profile.message_ms)
-    latency_ms: float = 0.0  # a message's delay beyond bytes / bandwidth (profile.latency_ms; simulator only)
-    step_gap_ms: float = 0.0  # the runtime's time between two steps (profile.step_gap_ms; once per step)
-    layer_ms: float = 0.0  # the runtime's own time per layer of a stage, per forward and backward (profile.layer_ms)
-    update_ms: float = 0.0  # the runtime's own time per optimizer update beyond the profiled step (profile.update_ms)
-    loss_bytes: float = 0.0  # the loss's memory beyond its input, on the last layer's stage (profile.loss_bytes)
-    copy_ms_per_byte: float = 0.0  # one copy of the weights (a stashed version), per byte (profile.copy_ms_per_byte)
-    contention: float = 1.0  # the layers beside busy ranks over alone (profile.contention; price.contention_scale)
-    shard_optimizer: bool = False  # a replicated stage's optimizer state split over its replicas (pipeflow/shard.py)
-    graphs: bool = False  # the ranks replay CUDA graphs (profile.timing "graphs"): graph_bytes
-
-    @classmethod
-    def of(cls, forward_ms: Sequence[float], backward_ms: Sequence[float], output_bytes: Sequence[float],
-           activation_bytes: Sequence[float], parameter_bytes: Sequence[float], *, loss_ms: float = 0.0,
-           optimizer_ms_per_byte: float = 0.0, backward_weight_ms: Sequence[float] | None = None,
-           action_ms: float = 0.0, message_ms: float = 0.0, latency_ms: float = 0.0,
-           step_gap_ms: float = 0.0, layer_ms: float = 0.0, update_ms: float = 0.0,
-           loss_bytes: float = 0.0, copy_ms_per_byte: float = 0.0, contention: float = 1.0) -> LayerCosts:
-        cols = [np.asarray(c, dtype=np.float64) for c in
-                (forward_ms, backward_ms, output_bytes, activation_bytes, parameter_bytes)]
-        if len({len(c) for c in cols}) != 1 or len(cols[0]) == 0:
-            raise PlanningError(f"layer cost columns must be non-empty and of equal length, found "
-                                f"{[len(c) for c in cols]}")
-        weight = None if backward_weight_ms is None else np.minimum(np.asarray(backward_weight_ms, np.float64), cols[1])
-        return cls(cols[0], cols[1], cols[2], cols[3], cols[4], float(loss_ms), float(optimizer_ms_per_byte), weight,
-                   float(action_ms), float(message_ms), float(latency_ms), float(step_gap_ms), float(layer_ms),
-                   float(update_ms), float(loss_bytes), float(copy_ms_per_byte), max(1.0, float(contention)))
-
-    def __len__(self) -> int:
-        return len(self.forward_ms)
-
-    def stage_overhead_ms(self, i: np.ndarray | int, k: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
-        """What the runtime adds to a forward and a backward of [i, k) beyond its layers (the DP's bound and the
-        simulator's stage costs both use it): `action_ms` on each, `layer_ms` per layer, the sender's `message_ms`
-        on the forward when a stage follows (k < L) and on the backward when one precedes (i > 0)."""
-        n = len(self)
-        own = self.action_ms + (self.layer_ms * (np.asarray(k) - np.asarray(i)) if self.layer_ms else 0.0)
-        fwd = own + self.message_ms * (np.asarray(k) < n)
-        bwd = own + self.message_ms * (np.asarray(i) > 0)
-        return np.asarray(fwd, dtype=np.float64), np.asarray(bwd, dtype=np.float64)
-
-    def port_bytes(self, i: np.ndarray | int, k: np.ndarray | int | None) -> np.ndarray:
-        """A microbatch's bytes through stage [i, k)'s send (or receive) port: the activation in and its gradient
-        out, the activation out where a stage follows (k < L; None: not known) and its gradient in."""
-        nbytes = self.output_bytes[np.asarray(i) - 1] * (np.asarray(i) > 0)
-        if k is not None:
-            nbytes = nbytes + self.output_bytes[np.asarray(k) - 1] * (np.asarray(k) < len(self))
-        return np.asarray(nbytes)
-
-    def graph_bytes(self, i: np.ndarray | int, k: np.ndarray | int, local: np.ndarray | float) -> np.ndarray | float:
-        """Under CUDA graphs (graphs.py) the static inputs and outputs of [i, k)'s actions for `local` microbatches."""
-        return 2 * np.asarray(local) * self.port_bytes(i, k) if self.graphs else 0.0
 
 
 @dataclass
@@ -184,7 +114,7 @@ class CostModel:
         """Compute bound of stage [i, k) on r units: U ceil(m / r) / m (PipeDream 1F1B-RR: r replicas share
         the m microbatches round-robin) plus, per step, the all-reduce beyond the last backward and the
         optimizer step."""
-        p = self.P[k] - self.P[i]
+        p = self.params(i, k)
         b = self.Bw[k] - self.Bw[i] + self.layers.stage_overhead_ms(i, k)[1]
         busy, last = np.asarray(unit_ms) * (self.share(r) / self.microbatches), np.asarray(k) == self.num_layers
         # beside the last backward, or under the whole next minibatch (2bw's deferred update, update.py)
@@ -200,7 +130,13 @@ class CostModel:
             out = np.where(self.microbatches % np.asarray(r) == 0, out, INF)
         if self.kind.replicas_at_most_m:  # 2bw: every replica owns a share of each minibatch
             out = np.where(np.asarray(r) <= self.microbatches, out, INF)
+        if not self.kind.ties_allowed and len(self.layers.ties):  # async, 2bw: a shared parameter on one stage
+            out = np.where(self.layers.ties.splits(i, k), INF, out)
         return out
+
+    def params(self, i: np.ndarray | int, k: np.ndarray | int) -> np.ndarray:
+        """The parameter bytes of stage [i, k), each shared one once (LayerCosts.ties)."""
+        return np.asarray(self.P[k] - self.P[i] - self.layers.ties.repeated_bytes(i, k))
 
     def update_ms(self, i: np.ndarray | int, k: np.ndarray | int, r: np.ndarray | float, level: int,
                   b: np.ndarray | float) -> np.ndarray:
@@ -208,7 +144,7 @@ class CostModel:
         sharded a 1/r share of it (at most as many as the topology's groups of this level hold) and what it waits of
         the exchange of the rest (ScheduleKind.exchange_exposed_ms; outer levels': the simulator), priced as an
         all-reduce, 2 (r - 1)/r p / bw: it moves half the bytes, at half the all-reduce's bandwidth (2 x H200)."""
-        lay, p = self.layers, self.P[k] - self.P[i]
+        lay, p = self.layers, self.params(i, k)
         if not lay.shard_optimizer:
             return np.asarray(lay.optimizer_ms_per_byte * p + lay.update_ms)
         r = np.asarray(r, dtype=np.float64)
@@ -250,7 +186,7 @@ class CostModel:
                      downstream: np.ndarray | int) -> np.ndarray:
         """Weights, gradients, optimizer state, stashed weight versions and in-flight activations; on the stage
         of the last layer, the loss's memory too; under CUDA graphs LayerCosts.graph_bytes of the local microbatches."""
-        p, fl = self.P[j] - self.P[i], self.in_flight(downstream, r)
+        p, fl = self.params(i, j), self.in_flight(downstream, r)
         states = OPTIMIZER_STATES[self.optimizer] / (np.asarray(r) if self.layers.shard_optimizer else 1)
         share = 1 / np.asarray(r) if self.layers.shard_optimizer else 1.0  # a deferred update's held gradient
         return (p * (2 + states + self.kind.stashed_versions(fl, share)) + self.layers.graph_bytes(i, j, self.share(r))

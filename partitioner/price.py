@@ -40,15 +40,15 @@ def level_factors(ranks: Sequence[int], topology: Topology) -> list[int]:
 def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int, int]],
                 ranks: Sequence[Sequence[int]], kind: ScheduleKind, *, scale: float = 1.0) -> list[StageCost]:
     """Per stage: compute (the loss on the last; the runtime's own time per action and message sent,
-    LayerCosts.stage_overhead_ms), its output, a ring all-reduce 2 (r-1)/r P / B for each level its
-    replicas span, the optimizer step. send_ms is for the table: one message at the bandwidth
-    between the first replicas of this stage and the next (the simulator prices every pair itself). `scale`
-    multiplies the layers' and the loss's times (contention_scale). With lay.shard_optimizer an update is a 1/r
-    share of the step, then what the others' weights keep waiting (the schedule `kind`'s exchange_exposed_ms), and
-    the all-reduce waits a STEP where kind.reduce_waits_a_step says so."""
+    LayerCosts.stage_overhead_ms), its output, a ring all-reduce 2 (r-1)/r P / B for each level its replicas span,
+    the optimizer step (and the sum of a parameter shared with other stages, partitioner/ties.py). send_ms is for
+    the table: one message at the bandwidth between the first replicas of this stage and the next (the simulator
+    prices every pair itself). `scale` multiplies the layers' and the loss's times (contention_scale). With
+    lay.shard_optimizer an update is a 1/r share of the step, then what the others' weights keep waiting (the
+    schedule `kind`'s exchange_exposed_ms), and the all-reduce waits a STEP where kind.reduce_waits_a_step says so."""
     L, out = len(lay), []
     for t, ((a, b), rs) in enumerate(zip(ranges, ranks)):
-        p = float(lay.parameter_bytes[a:b].sum())
+        p = float(lay.parameter_bytes[a:b].sum() - lay.ties.repeated_bytes(a, b))  # a shared parameter once
         extra_f, extra_b = lay.stage_overhead_ms(a, b)  # the runtime's own time (costmodel, as in the DP)
         fwd = scale * (float(lay.forward_ms[a:b].sum()) + (lay.loss_ms if b == L else 0.0)) + float(extra_f)
         nbytes = float(lay.output_bytes[b - 1]) if t + 1 < len(ranges) else 0.0
@@ -67,6 +67,12 @@ def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int,
                              float(lay.activation_bytes[a:b].sum()), update, nbytes, weight,
                              lay.latency_ms, lay.message_ms, lay.loss_bytes if b == L else 0.0, share,
                              bool(kind.reduce_waits_a_step(b == L, lay.shard_optimizer))))
+    for _, size, stages in lay.ties.across(ranges):  # a shared parameter's copies summed at the STEP (reduce.py)
+        holders = sorted({r for s in stages for r in ranks[s]})
+        ring = sum(2.0 * (f - 1) / f * size / (topology.levels[k].bandwidth / 1e3)
+                   for k, f in enumerate(level_factors(holders, topology)) if f > 1)
+        for s in stages:
+            out[s].optimizer_ms += ring
     return out
 
 

@@ -10,22 +10,20 @@ its input from its forward to the end of its backward (on the last stage's peak)
 processes computed at once when `contention` was measured: a forward and backward pass beside ranks_per_host - 1
 busy companions over the same pass alone (pipeflow-profile --ranks-per-host; the layers are timed alone);
 `copy_ms_per_byte`, one copy of the weights per byte, which async and 2bw make to keep a weight version (priced
-per update, ScheduleKind.copies_per_update). The planner uses them when present and counts them as 0 (or
-backward_ms) when absent;
-an absent `backward_weight_ms` is estimated (Profile.weight_column). Per layer `forward_gemm_ms`,
-`backward_gemm_ms` and `backward_accumulate_gemm_ms` are the same times with gradient accumulation inside the
-weight GEMMs, where pipeflow-profile timed both ways (partitioner/accumulation.py). Also optional at the top, the
-runtime's own costs on this machine (`python -m partitioner.calibrate`, from a traced run):
+per update, ScheduleKind.copies_per_update); `ties`, the layers that share parameters (partitioner/ties.py). The
+planner uses them when present and counts them as 0 (or backward_ms) when absent (Profile.weight_column). Per
+layer `forward_gemm_ms`, `backward_gemm_ms` and `backward_accumulate_gemm_ms` are the same times with gradient
+accumulation inside the weight GEMMs, where pipeflow-profile timed both ways (partitioner/accumulation.py). Also
+optional at the top, the runtime's own costs on this machine (`python -m partitioner.calibrate`, from a traced run):
 `action_ms`, added to every forward and backward of a stage, `message_ms`, the sender's time per
 message to a neighbouring stage, `latency_ms`, the time a message takes beyond bytes / bandwidth until
 the receiver can use it (it does not hold the link), `step_gap_ms`, the runtime's time between two steps,
 `layer_ms`, the runtime's own time per layer of a stage on each forward and backward (Python dispatch),
-`update_ms`, the runtime's own time per optimizer update beyond the profiled step, and
-`compute_factor`, how much slower (or faster) the layers run in a running stage than profiled.
+`update_ms`, the runtime's own time per optimizer update beyond the profiled step, and `compute_factor`, how much
+slower (or faster) the layers run in a running stage than profiled.
 
-On CUDA with more than one GPU visible, the optional `link_bandwidth` (bytes/s, measured GPU to GPU) is the
-default topology of pipeflow-plan when --topology is not given; on CPU partitioner.calibrate writes it (the
-all-reduce between ranks, from a traced data-parallel run).
+On CUDA with more than one GPU visible, the optional `link_bandwidth` (bytes/s, measured GPU to GPU) is the default
+topology of pipeflow-plan without --topology; on CPU partitioner.calibrate writes it (a traced all-reduce).
 
 One file may hold the model at several microbatch sizes (`pipeflow-profile --microbatch-sizes 2,4,8`, for
 `pipeflow-plan --global-batch`): the top level is the first size, as a one-size file, and the optional
@@ -41,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.jsonfile import check_fields, field_problem, read_json, show, write_json
+from partitioner.ties import tie_problem
 
 PROFILE_FORMAT = "pipeflow.profile/1"
 LAYER_NUMBERS = ("forward_ms", "backward_ms", "output_bytes", "activation_bytes", "parameter_bytes")
@@ -130,6 +129,7 @@ class Profile:
     ranks_per_host: int | None = None  # timed beside this many - 1 busy companions (pipeflow-profile --ranks-per-host)
     copy_ms_per_byte: float | None = None  # one copy of the weights per byte (a stashed version; measure.py)
     contention: float | None = None  # a pass beside ranks_per_host - 1 busy companions over one alone (companion.py)
+    ties: list[dict[str, Any]] | None = None  # layers sharing parameters, and the bytes they share (ties.py)
     # not in the file: the device's peak while profiling (layermem.loss_bytes resets CUDA's peak statistic)
     device_peak_bytes: int | None = field(default=None, compare=False, repr=False)
 
@@ -197,6 +197,9 @@ class Profile:
         if bw is not None and (not _is_number(bw) or not MIN_BANDWIDTH <= bw < MAX_BYTES):
             raise ProfileError(f"{source}: link_bandwidth must be a number of bytes/s from {MIN_BANDWIDTH:g} (1 kB/s) "
                                f"to below {MAX_BYTES:g}, found {show(bw)}")
+        why = None if self.ties is None else tie_problem(self.ties, self.column("parameter_bytes"), MAX_BYTES)
+        if why:
+            raise ProfileError(f"{source}: {why}")
         sizes = [mb]
         for k, other in enumerate(self.others):
             where = f"{source}: other_microbatch_sizes[{k}]"
@@ -248,7 +251,8 @@ class Profile:
         if self.timing is not None:
             d["timing"] = self.timing
         d.update({k: getattr(self, k) for k in (*RUNTIME_NUMBERS, "compute_factor", "ranks_per_host",
-                                                "copy_ms_per_byte", "contention") if getattr(self, k) is not None})
+                                                "copy_ms_per_byte", "contention", "ties")
+                  if getattr(self, k) is not None})
         return d
 
     def save(self, path: str | Path) -> None:
@@ -275,7 +279,8 @@ class Profile:
         others = d.get("other_microbatch_sizes", [])
         if not isinstance(others, list):
             raise ProfileError(f"{source}: other_microbatch_sizes must be a list, found {show(others)}")
-        others = [cls.from_json(o, source=f"{source}: other_microbatch_sizes[{k}]") for k, o in enumerate(others)]
+        others = [cls.from_json({"ties": d.get("ties"), **o} if isinstance(o, dict) else o,  # the same layers' ties
+                                source=f"{source}: other_microbatch_sizes[{k}]") for k, o in enumerate(others)]
         try:
             return cls(d["model"], d.get("model_args", {}), d["device"], d["dtype"], d["microbatch_size"], layers,
                        d.get("loss_ms"), d.get("optimizer_ms_per_byte", {}), others,
@@ -284,7 +289,7 @@ class Profile:
                        step_gap_ms=d.get("step_gap_ms"), layer_ms=d.get("layer_ms"), update_ms=d.get("update_ms"),
                        compute_factor=d.get("compute_factor"), timing=d.get("timing"),
                        loss_bytes=d.get("loss_bytes"), ranks_per_host=d.get("ranks_per_host"),
-                       copy_ms_per_byte=d.get("copy_ms_per_byte"), contention=d.get("contention"))
+                       copy_ms_per_byte=d.get("copy_ms_per_byte"), contention=d.get("contention"), ties=d.get("ties"))
         except ProfileError as e:
             # __post_init__ validated with the default source name; say which file.
             raise ProfileError(str(e).replace("profile: ", f"{source}: ", 1)) from None

@@ -31,15 +31,16 @@ from partitioner.measure import (
 )
 from partitioner.outputs import check_output
 from partitioner.profile import TIMINGS, LayerProfile, Profile, ProfileError
+from partitioner.ties import find_ties
 from pipeflow.data.loader import MicrobatchLoader
 from pipeflow.graphcheck import graphs_enabled
 from pipeflow.spec import ModelError, ModelSpec, build_model, model_dtype, parse_model_args
 from pipeflow.split import gemm_accumulation, splittable
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-# --timing when not given, by device (False: CPU, True: CUDA). On 2 x H200 (benchmarks/gpu/README.md) the stage
-# timing priced every row at microbatch 4 and 8 within 6% with no calibration, where the kernels back to back were
-# 11-15% fast and each call from an idle device over-priced microbatch 2 by 13-16%.
+# --timing when not given, by device (False: CPU, True: CUDA). On 2 x H200 (benchmarks/gpu/README.md) the stage timing
+# priced every row at microbatch 4 and 8 within 6% uncalibrated (kernels back to back: 11-15% fast, each call from an
+# idle device over-priced microbatch 2 by 13-16%).
 DEFAULT_TIMING = {False: "idle", True: "stage"}
 CUDA_TIMINGS = ("kernels", "graphs")  # --timing values that time CUDA kernels: refused on a CPU
 WORK = ("forward_ms", "backward_ms")  # a layer's round with the least of them is kept (--rounds, unchained)
@@ -64,8 +65,8 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
                   optimizer: str | None = "adam", threads: int | None = None,
                   warnings: list[str] | None = None, timing: str | None = None, gemm: bool | None = None,
                   ranks_per_host: int = 1, rounds: int | None = None) -> Profile:
-    """Profile every layer of `spec` on one real microbatch of its dataset, in order (in-process API); then
-    the loss on the last layer's output and a step of `optimizer` per parameter byte (None: not timed).
+    """Profile every layer of `spec` on one real microbatch of its dataset, in order (in-process API); then the loss
+    on the last layer's output, a step of `optimizer` per parameter byte (None: not timed) and the layers' ties.
 
     The backward is timed twice per repeat: with no gradients yet (backward_ms) and accumulating into them
     (backward_accumulate_ms, every microbatch of a flushed step but the first; inside the weight GEMMs where the
@@ -190,7 +191,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
                    device_peak_bytes=None if peak is None else max(peak, torch.cuda.max_memory_allocated(dev)),
                    timing=timing if dev.type == "cuda" or timing == "stage" else None,
                    ranks_per_host=ranks_per_host if beside else None, contention=slower or None,
-                   copy_ms_per_byte=copy_ms)
+                   copy_ms_per_byte=copy_ms, ties=find_ties(spec.layers) or None)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -225,8 +226,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ranks-per-host", type=int, default=1, metavar="N",
                    help="also time the model's passes beside N - 1 other processes (on cuda: on the next GPUs) "
                         "running its forward and backward, as the other ranks of a host will: profile.json's "
-                        "contention, which pipeflow-plan applies as far as a plan's ranks compute at once "
-                        "(default 1: none)")
+                        "contention, which pipeflow-plan applies as far as a plan's ranks compute at once (default 1)")
     p.add_argument("-o", "--output", required=True, help="profile.json to write")
     return p.parse_args(argv)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from partitioner.accumulation import priced_as
 from partitioner.inputs import MAX_MICROBATCHES, MAX_WORKERS, check_microbatches, resolve_topology  # noqa: F401  (re-exported: the limits)
+from partitioner.layercosts import layer_costs  # noqa: F401  (re-exported)
 from partitioner.plan import Plan, PlanError, StagePlan
 from partitioner.planner import (
     SCHEDULES,
@@ -23,9 +24,10 @@ from partitioner.planner import (
     tabulate,
 )
 from partitioner.price import Priced, predicted, price, schedule_rule, tune_warmup
-from partitioner.profile import RUNTIME_NUMBERS, Profile
+from partitioner.profile import Profile
 from partitioner.search import search
 from partitioner.simulate import SimResult, StageCost
+from partitioner.ties import split_tie_error
 from partitioner.topology import Level, Topology, format_bytes, parse_bytes
 from pipeflow.kinds import schedule_kind
 
@@ -56,23 +58,6 @@ class Planned:
     solution: Solution | None = None
 
 
-def layer_costs(profile: Profile, schedule: str, optimizer: str) -> LayerCosts:
-    """The profile's columns for this schedule: flush schedules and 2bw accumulate gradients over the
-    microbatches of a step (backward_accumulate_ms where profiled), async steps after every backward; the
-    layers' and the loss's times scaled by the calibrated compute_factor (1 when absent)."""
-    f = profile.compute_factor or 1.0
-    backward = profile.backward_column(accumulate=not schedule_kind(schedule).step_per_backward)
-    lay = LayerCosts.of([f * x for x in profile.column("forward_ms")], [f * x for x in backward],
-                        profile.column("output_bytes"), profile.column("activation_bytes"),
-                        profile.column("parameter_bytes"), loss_ms=f * (profile.loss_ms or 0.0),
-                        optimizer_ms_per_byte=profile.optimizer_ms_per_byte.get(optimizer, 0.0),
-                        backward_weight_ms=[f * x for x in profile.weight_column()],
-                        **{k: getattr(profile, k) or 0.0 for k in RUNTIME_NUMBERS},  # calibrated, else 0
-                        loss_bytes=profile.loss_bytes or 0.0, copy_ms_per_byte=profile.copy_ms_per_byte or 0.0,
-                        contention=profile.contention or 1.0)
-    return replace(lay, graphs=profile.timing == "graphs")  # the ranks replay CUDA graphs (pipeflow/graphs.py)
-
-
 def _explain(model: CostModel, workers: int) -> PlanningError:
     """Why no plan exists: structure (--straight), the schedule's rules, or memory (name the stage)."""
     m, L = model.microbatches, model.num_layers
@@ -84,7 +69,10 @@ def _explain(model: CostModel, workers: int) -> PlanningError:
     try:
         sol = _search(model)
     except PlanningError:
-        rule = schedule_kind(model.schedule).rule
+        kind = schedule_kind(model.schedule)
+        tied = [] if kind.ties_allowed else [", ".join(map(str, t)) for t in model.layers.ties.spans]
+        rule = " and ".join([kind.rule] * bool(kind.rule) + [f"layers {t} (sharing parameters) on one stage"
+                                                             for t in tied[:2]])
         return PlanningError(f"no plan of {L} layers on {workers} workers fits --schedule {model.schedule} with "
                              f"{m} microbatches ({rule or 'no plan'}); use another --microbatches or fewer "
                              "workers")
@@ -285,10 +273,12 @@ def evaluate_plan(profile: Profile, plan: Plan, *, topology: Topology | str | No
     check_microbatches(plan.microbatches)
     plan.validate(num_layers=len(profile.layers))
     why = schedule_kind(plan.schedule).violation(plan.microbatches, plan.replicas, plan.warmup)
-    if why:
-        raise PlanError(f"the plan cannot run: {why}")
     lay = replace(layer_costs(priced_as(profile, plan.accumulation), plan.schedule, optimizer),
                   shard_optimizer=plan.shard_optimizer)
+    split = [] if schedule_kind(plan.schedule).ties_allowed else lay.ties.across([st.layers for st in plan.stages])
+    why = why or (split_tie_error(split[0][0], split[0][2], plan.schedule) if split else None)
+    if why:
+        raise PlanError(f"the plan cannot run: {why}")
     costs, sim = price(lay, topo, plan.schedule, plan.microbatches, [st.layers for st in plan.stages],
                        [st.ranks for st in plan.stages], optimizer=optimizer, keep_timeline=keep_timeline,
                        warmup=plan.warmup)

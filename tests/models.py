@@ -238,3 +238,25 @@ def dict_input(vocab: int = 30, tokens: int = 5, hidden: int = 8, classes: int =
     """A dict input (input ids, an attention mask, a float scale per sample), then 2 Tanh layers and a head."""
     layers: list[nn.Module] = [MaskedMean(vocab, hidden), Tanh(hidden), Tanh(hidden), nn.Linear(hidden, classes)]
     return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_TokenDicts(samples, vocab, tokens, classes))
+
+
+class TiedHead(nn.Module):
+    """The head of `shared_mlp`: the input layer's weight, transposed (a tied embedding and head)."""
+
+    def __init__(self, inp: nn.Linear) -> None:
+        super().__init__()
+        self.inp = inp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.inp.weight.t())
+
+
+def shared_mlp(d_in: int = 6, hidden: int = 8, repeats: int = 3, tie_head: bool = True,
+               samples: int = 64) -> ModelSpec:
+    """Parameters shared by layers: one Tanh block used by `repeats` consecutive layers (ALBERT's sharing), between
+    an input layer and, with `tie_head`, a head of the input layer's weight (d_in classes); else its own head."""
+    torch.manual_seed(3)
+    inp, block = nn.Linear(d_in, hidden), Tanh(hidden)
+    head: nn.Module = TiedHead(inp) if tie_head else nn.Linear(hidden, d_in)
+    layers: list[nn.Module] = [nn.Sequential(inp, nn.Tanh()), *[block] * repeats, Tanh(hidden), head]
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(samples, d_in - 1, d_in))

@@ -25,7 +25,7 @@ OVERSIZE = {
 # nothing of the runtime, of the planner or of torch: pipeflow-plan and the launcher read them without it.
 FORMATS = {"pipeflow.schedule", "pipeflow.actions", "pipeflow.kinds", "pipeflow.zerobubble", "pipeflow.interleave",
            "pipeflow.warmup", "partitioner.plan",
-           "partitioner.profile", "partitioner.jsonfile"}
+           "partitioner.profile", "partitioner.jsonfile", "partitioner.ties"}
 # What of pipeflow the partitioner may import (directly or through another module): the schedule IR
 # (actions, the schedule kind table, the generators), which the simulator replays; and for the profiler
 # alone, the model contract it profiles (pipeflow.spec: ModelSpec, build_model) and the data order it

@@ -14,8 +14,9 @@ from tests.conftest import base_env, in_background
 glibc = pytest.mark.skipif("CS_GNU_LIBC_VERSION" not in os.confstr_names
                            or not os.confstr("CS_GNU_LIBC_VERSION"), reason="glibc's malloc only")
 
-# After SETUP, prints whether glibc (1) keeps a freed 120 KiB block at the heap's top instead of trimming it
-# back to the OS and (2) serves a 64 MiB block from the heap instead of mapping it afresh (and unmapping it when
+# After SETUP, prints whether glibc (1) keeps four freed 120 KiB blocks at the heap's top instead of trimming them
+# back to the OS (480 KiB, past the default trim threshold of 128 KiB whatever the heap's top held before) and
+# (2) serves a 64 MiB block from the heap instead of mapping it afresh (and unmapping it when
 # freed): "True True" when freed memory is kept, "False False" with glibc's defaults.
 PROBE = """
 import ctypes
@@ -24,9 +25,10 @@ libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_long]
 {setup}
-small = libc.malloc(120 * 2**10)
+small = [libc.malloc(120 * 2**10) for _ in range(4)]
 top = libc.sbrk(0)
-libc.free(small)
+for block in reversed(small):
+    libc.free(block)
 kept_top = libc.sbrk(0) == top
 big = libc.malloc(64 * 2**20)
 print(kept_top, big < libc.sbrk(0))
