@@ -191,7 +191,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
                    device_peak_bytes=None if peak is None else max(peak, torch.cuda.max_memory_allocated(dev)),
                    timing=timing if dev.type == "cuda" or timing == "stage" else None,
                    ranks_per_host=ranks_per_host if beside else None, contention=slower or None,
-                   copy_ms_per_byte=copy_ms, ties=find_ties(spec.layers) or None)
+                   copy_ms_per_byte=copy_ms, ties=find_ties(spec.layers, torch_dtype) or None)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -18,12 +18,14 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def find_ties(layers: Sequence[Any]) -> list[dict[str, Any]]:
-    """The layers sharing parameters (by identity, as the runtime finds them), in order of first use."""
+def find_ties(layers: Sequence[Any], dtype: Any = None) -> list[dict[str, Any]]:
+    """The layers sharing parameters (by identity, as the runtime finds them), in order of first use. `dtype`: the
+    torch dtype the layers' floating-point parameters are cast to (--dtype; None: as built)."""
     held: dict[int, tuple[list[int], int]] = {}
     for i, layer in enumerate(layers):
         for p in layer.parameters():  # once per layer, however many of its modules hold it
-            uses, size = held.setdefault(id(p), ([], p.numel() * p.element_size()))
+            size = p.numel() * (dtype.itemsize if dtype is not None and p.is_floating_point() else p.element_size())
+            uses, size = held.setdefault(id(p), ([], size))
             uses.append(i)
     out: dict[tuple[int, ...], int] = {}
     for uses, size in held.values():

@@ -170,7 +170,7 @@ def test_on_the_spot_plans_within_the_machines_memory(monkeypatch: pytest.Monkey
 
     spec = build_model("mlp", {"layers": 6, "hidden": 512})  # 2 stages need about 8.5 MiB each with Adam
     args = build_parser().parse_args(["--model", "mlp", "--schedule", "1f1b", "--microbatches", "4",
-                                      "--microbatch-size", "8"])
+                                      "--microbatch-size", "8", "--device", "cpu"])  # on a GPU host too
     monkeypatch.setattr(measure, "machine_bytes", lambda device: (12 * 2**20, "this machine's RAM"))
     with caplog.at_level("INFO", logger="pipeflow"), pytest.raises(UsageError) as e:
         make_plan(args, spec, 2, 0, _OneHost())

@@ -39,6 +39,9 @@ def test_the_profile_records_which_layers_share_parameters(tmp_path: Path) -> No
     prof.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json").ties == prof.ties
     assert profile_model(shared_mlp(repeats=1, tie_head=False), 4, repeats=1, warmup=0).ties is None
+    # in the dtype the layers are profiled in (--dtype), as their parameter_bytes are
+    half = profile_model(shared_mlp(), 4, repeats=1, warmup=0, dtype="bfloat16")
+    assert half.ties == [{"layers": [0, 5], "bytes": INPUT // 2}, {"layers": [1, 2, 3], "bytes": BLOCK // 2}]
 
 
 def test_a_stage_holds_a_shared_parameter_once() -> None:
