@@ -32,9 +32,10 @@ without, and with, the step's part; q' = q on one level, 1 above). A plan's boun
 its stages; every worker is used. Schedule rules: `async` needs r | m, `2bw` r <= m, and neither
 splits the layers sharing a parameter over stages (ScheduleKind.ties_allowed).
 
-Memory is checked on level-0 stages: parameters * (2 + optimizer states + weight versions) plus the
-activations of the microbatches in flight, ceil(D / r) for 1F1B-like schedules (D = workers from this
-stage on, schedule.warmup_forwards + 1), all local ones for gpipe; under CUDA graphs (LayerCosts.graphs) twice
+Memory is checked on level-0 stages: parameters * (1 + weight versions) + trainable parameters * (1 + optimizer
+states) + buffers, plus the activations (and the unsaved part of the boundary tensors) of the microbatches in
+flight, ceil(D / r) for 1F1B-like schedules (D = workers from this stage on, schedule.warmup_forwards + 1), all local
+ones for gpipe; under CUDA graphs (LayerCosts.graphs) twice
 the port's bytes too. In a group of a multi-level topology D is bounded by (workers left in the group) + (all
 workers outside it): conservative."""
 from __future__ import annotations
@@ -114,7 +115,7 @@ class CostModel:
         """Compute bound of stage [i, k) on r units: U ceil(m / r) / m (PipeDream 1F1B-RR: r replicas share
         the m microbatches round-robin) plus, per step, the all-reduce beyond the last backward and the
         optimizer step."""
-        p = self.params(i, k)
+        p = self.trainable(i, k)
         b = self.Bw[k] - self.Bw[i] + self.layers.stage_overhead_ms(i, k)[1]
         busy, last = np.asarray(unit_ms) * (self.share(r) / self.microbatches), np.asarray(k) == self.num_layers
         # beside the last backward, or under the whole next minibatch (2bw's deferred update, update.py)
@@ -138,13 +139,17 @@ class CostModel:
         """The parameter bytes of stage [i, k), each shared one once (LayerCosts.ties)."""
         return np.asarray(self.P[k] - self.P[i] - self.layers.ties.repeated_bytes(i, k))
 
+    def trainable(self, i: np.ndarray | int, k: np.ndarray | int) -> np.ndarray:
+        """What of params(i, k) takes a gradient, optimizer state, an all-reduce and an update (not frozen)."""
+        return np.maximum(0.0, self.params(i, k) - self.layers.frozen(i, k))
+
     def update_ms(self, i: np.ndarray | int, k: np.ndarray | int, r: np.ndarray | float, level: int,
                   b: np.ndarray | float) -> np.ndarray:
         """One update of stage [i, k) (backward b a microbatch) on r units of `level`: the step over its p bytes, or
         sharded a 1/r share of it (at most as many as the topology's groups of this level hold) and what it waits of
         the exchange of the rest (ScheduleKind.exchange_exposed_ms; outer levels': the simulator), priced as an
         all-reduce, 2 (r - 1)/r p / bw: it moves half the bytes, at half the all-reduce's bandwidth (2 x H200)."""
-        lay, p = self.layers, self.params(i, k)
+        lay, p = self.layers, self.trainable(i, k)
         if not lay.shard_optimizer:
             return np.asarray(lay.optimizer_ms_per_byte * p + lay.update_ms)
         r = np.asarray(r, dtype=np.float64)
@@ -184,13 +189,16 @@ class CostModel:
 
     def memory_bytes(self, i: np.ndarray | int, j: np.ndarray | int, r: np.ndarray | int,
                      downstream: np.ndarray | int) -> np.ndarray:
-        """Weights, gradients, optimizer state, stashed weight versions and in-flight activations; on the stage
-        of the last layer, the loss's memory too; under CUDA graphs LayerCosts.graph_bytes of the local microbatches."""
-        p, fl = self.params(i, j), self.in_flight(downstream, r)
-        states = OPTIMIZER_STATES[self.optimizer] / (np.asarray(r) if self.layers.shard_optimizer else 1)
-        share = 1 / np.asarray(r) if self.layers.shard_optimizer else 1.0  # a deferred update's held gradient
-        return (p * (2 + states + self.kind.stashed_versions(fl, share)) + self.layers.graph_bytes(i, j, self.share(r))
-                + fl * (self.A[j] - self.A[i]) + self.layers.loss_bytes * (np.asarray(j) == self.num_layers))
+        """Weights and their stashed versions, gradients and optimizer state (of the trainable ones), buffers, in-flight
+        activations with what the stage holds of its boundary tensors (LayerCosts.boundary_bytes); on the stage of the
+        last layer, the loss's memory too; under CUDA graphs LayerCosts.graph_bytes of the local microbatches."""
+        lay, p, fl = self.layers, self.params(i, j), self.in_flight(downstream, r)
+        states = OPTIMIZER_STATES[self.optimizer] / (np.asarray(r) if lay.shard_optimizer else 1)
+        share = 1 / np.asarray(r) if lay.shard_optimizer else 1.0  # a deferred update's held gradient
+        return (p * (1 + self.kind.stashed_versions(fl, share)) + self.trainable(i, j) * (1 + states)
+                + lay.buffers(i, j) + lay.graph_bytes(i, j, self.share(r)) + fl * (self.A[j] - self.A[i]
+                                                                                  + lay.boundary_bytes(i, j))
+                + lay.loss_bytes * (np.asarray(j) == self.num_layers))
 
     def outside(self, level: int) -> int:
         """Workers outside one level-`level` group that may sit downstream of it (bound for D)."""

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 import numpy as np
 
-from partitioner.profile import RUNTIME_NUMBERS, Profile
+from partitioner.profile import MEMORY_NUMBERS, RUNTIME_NUMBERS, Profile
 from pipeflow.kinds import schedule_kind
 
 
@@ -89,6 +90,11 @@ class LayerCosts:
     shard_optimizer: bool = False  # a replicated stage's optimizer state split over its replicas (pipeflow/shard.py)
     graphs: bool = False  # the ranks replay CUDA graphs (profile.timing "graphs"): graph_bytes
     ties: Ties = field(default_factory=lambda: Ties.of(None, 0))  # layers sharing parameters (partitioner/ties.py)
+    # Per layer, where the profile has them (profile.MEMORY_NUMBERS; None: 0): parameters without gradient (within
+    # parameter_bytes), buffers, and of its input and of its output what its backward does not keep.
+    frozen_bytes: np.ndarray | None = None
+    buffer_bytes: np.ndarray | None = None
+    unsaved: tuple[np.ndarray, np.ndarray] | None = None
 
     @classmethod
     def of(cls, forward_ms: Sequence[float], backward_ms: Sequence[float], output_bytes: Sequence[float],
@@ -109,6 +115,28 @@ class LayerCosts:
 
     def __len__(self) -> int:
         return len(self.forward_ms)
+
+    @cached_property
+    def _held(self) -> tuple[np.ndarray, np.ndarray]:
+        """Prefix sums of frozen_bytes and buffer_bytes."""
+        return tuple(np.concatenate([[0.0], np.cumsum(c if c is not None else np.zeros(len(self)))])
+                     for c in (self.frozen_bytes, self.buffer_bytes))  # type: ignore[return-value]
+
+    def frozen(self, i: np.ndarray | int, k: np.ndarray | int) -> np.ndarray:
+        """Bytes of [i, k)'s parameters that take no gradient and no optimizer state (the weights themselves only)."""
+        return np.asarray(self._held[0][np.asarray(k)] - self._held[0][np.asarray(i)])
+
+    def buffers(self, i: np.ndarray | int, k: np.ndarray | int) -> np.ndarray:
+        """Bytes of [i, k)'s buffers, held once."""
+        return np.asarray(self._held[1][np.asarray(k)] - self._held[1][np.asarray(i)])
+
+    def boundary_bytes(self, i: np.ndarray | int, k: np.ndarray | int) -> np.ndarray | float:
+        """Per microbatch in flight, what stage [i, k) holds of its received input (i > 0) and its sent output (k < L)
+        until the microbatch's backward (pipeflow/stage.py) beyond what its first and last layers' backward keep."""
+        if self.unsaved is None:
+            return 0.0
+        i, k = np.asarray(i), np.asarray(k)
+        return np.asarray(self.unsaved[0][i] * (i > 0) + self.unsaved[1][k - 1] * (k < len(self)))
 
     def stage_overhead_ms(self, i: np.ndarray | int, k: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
         """What the runtime adds to a forward and a backward of [i, k) beyond its layers (the DP's bound and the
@@ -148,4 +176,11 @@ def layer_costs(profile: Profile, schedule: str, optimizer: str) -> LayerCosts:
                         loss_bytes=profile.loss_bytes or 0.0, copy_ms_per_byte=profile.copy_ms_per_byte or 0.0,
                         contention=profile.contention or 1.0)
     # the ranks replay CUDA graphs (pipeflow/graphs.py); the layers sharing parameters (partitioner/ties.py)
-    return replace(lay, graphs=profile.timing == "graphs", ties=Ties.of(profile.ties, len(profile.layers)))
+    mem = {k: np.asarray(profile.column(k)) if all(getattr(x, k) is not None for x in profile.layers) else None
+           for k in MEMORY_NUMBERS}
+    out = np.asarray(profile.column("output_bytes"))
+    unsaved = None if mem["saved_input_bytes"] is None or mem["saved_output_bytes"] is None else (
+        np.maximum(0.0, np.concatenate([[0.0], out[:-1]]) - mem["saved_input_bytes"]),
+        np.maximum(0.0, out - mem["saved_output_bytes"]))
+    return replace(lay, graphs=profile.timing == "graphs", ties=Ties.of(profile.ties, len(profile.layers)),
+                   frozen_bytes=mem["frozen_bytes"], buffer_bytes=mem["buffer_bytes"], unsaved=unsaved)

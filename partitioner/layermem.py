@@ -24,9 +24,20 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int]:
 
 
 def saved_bytes(layer: nn.Module, x: Any) -> int:
-    """Bytes autograd keeps for this layer's backward: unique storages of the saved tensors, parameters
-    excluded (the planner counts those separately)."""
-    return _saved(lambda: layer(received(x)), {_storage_key(p) for p in layer.parameters()})
+    """Bytes autograd keeps for this layer's backward: unique storages of the saved tensors, parameters and
+    buffers excluded (the planner counts those once per stage)."""
+    return saved_parts(layer, x)[0]
+
+
+def saved_parts(layer: nn.Module, x: Any) -> tuple[int, int, int]:
+    """saved_bytes, and how much of it is the layer's input and how much its output: a stage holds its received
+    input and its sent output until the microbatch's backward (pipeflow/stage.py), so the planner adds what of
+    them the layers at its ends do not save (LayerCosts.boundary_bytes)."""
+    held = {_storage_key(t) for t in (*layer.parameters(), *layer.buffers())}
+    seen: dict[tuple[int, int], int] = {}
+    out = _saved(lambda: layer(received(x)), held, seen)
+    ends = [sum(seen.get(k, 0) for k in {_storage_key(t) for t in tensors(v)}) for v in (x, out)]
+    return sum(seen.values()), ends[0], ends[1]
 
 
 def loss_bytes(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any, target: Any, device: torch.device) -> int:
@@ -46,9 +57,12 @@ def loss_bytes(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any, target:
     return _saved(lambda: loss_fn(x, target), given) + nbytes(x)
 
 
-def _saved(run: Callable[[], Any], exclude: set[tuple[int, int]]) -> int:
-    """Unique storages of the tensors autograd saves while `run()` builds its graph, those in `exclude` aside."""
-    seen: dict[tuple[int, int], int] = {}
+def _saved(run: Callable[[], Any], exclude: set[tuple[int, int]], seen: dict[tuple[int, int], int] | None = None
+           ) -> Any:
+    """Unique storages of the tensors autograd saves while `run()` builds its graph, those in `exclude` aside: their
+    bytes, or with `seen` given, what `run()` returned, `seen` filled with each storage's bytes."""
+    given = seen is not None
+    seen = {} if seen is None else seen
     alive: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> tuple[int, int]:
@@ -71,8 +85,8 @@ def _saved(run: Callable[[], Any], exclude: set[tuple[int, int]]) -> int:
         raise RuntimeError("saved_bytes only measures: its graph is never run backward")
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        run()
-    return sum(seen.values())
+        out = run()
+    return out if given else sum(seen.values())
 
 
 def sandbox_copy(layer: nn.Module, device: torch.device, dtype: torch.dtype | None, *,

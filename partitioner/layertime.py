@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from partitioner.layermem import saved_bytes
+from partitioner.layermem import saved_parts
 from partitioner.measure import Timer, prepare_input, tensors
 from partitioner.profile import ProfileError
 from pipeflow.received import received
@@ -54,7 +54,7 @@ def profile_layer(layer: nn.Module, x: Any, *, device: torch.device, dtype: torc
                            "tuple of tensors")
     output_bytes = sum(t.numel() * t.element_size() for t in outs)
     parameter_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
-    activation_bytes = saved_bytes(layer, x)
+    activation_bytes, saved_input, saved_output = saved_parts(layer, x)
 
     fwd: list[float] = []
     bwd: list[float] = []
@@ -72,6 +72,9 @@ def profile_layer(layer: nn.Module, x: Any, *, device: torch.device, dtype: torc
     stats = {"name": type(layer).__name__, "forward_ms": statistics.median(fwd),
              "backward_ms": statistics.median(bwd), "output_bytes": output_bytes,
              "activation_bytes": activation_bytes, "parameter_bytes": parameter_bytes,
+             "frozen_bytes": sum(p.numel() * p.element_size() for p in layer.parameters() if not p.requires_grad),
+             "buffer_bytes": sum(b.numel() * b.element_size() for b in layer.buffers()),
+             "saved_input_bytes": saved_input, "saved_output_bytes": saved_output,
              "backward_accumulate_ms": statistics.median(acc), "_passes": passes}
     split = time_split_backward(layer, x, timer, warmup=warmup, repeats=repeats)  # zero bubble: B and W apart
     if split is not None and sum(split) > 0:  # W's share of the (fused) backward

@@ -48,7 +48,8 @@ def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int,
     schedule `kind`'s exchange_exposed_ms), and the all-reduce waits a STEP where kind.reduce_waits_a_step says so."""
     L, out = len(lay), []
     for t, ((a, b), rs) in enumerate(zip(ranges, ranks)):
-        p = float(lay.parameter_bytes[a:b].sum() - lay.ties.repeated_bytes(a, b))  # a shared parameter once
+        held = float(lay.parameter_bytes[a:b].sum() - lay.ties.repeated_bytes(a, b))  # a shared parameter once
+        p = max(0.0, held - float(lay.frozen(a, b)))  # what takes gradients, state, all-reduce, update
         extra_f, extra_b = lay.stage_overhead_ms(a, b)  # the runtime's own time (costmodel, as in the DP)
         fwd = scale * (float(lay.forward_ms[a:b].sum()) + (lay.loss_ms if b == L else 0.0)) + float(extra_f)
         nbytes = float(lay.output_bytes[b - 1]) if t + 1 < len(ranges) else 0.0
@@ -64,9 +65,10 @@ def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int,
                                            fwd - scale * float(lay.forward_ms[a:b - 1].sum())))
             if lay.shard_optimizer else 0.0)  # (costmodel.update_ms)
         out.append(StageCost(fwd, scale * float(lay.backward_ms[a:b].sum()) + float(extra_b), send, ar, p,
-                             float(lay.activation_bytes[a:b].sum()), update, nbytes, weight,
+                             float(lay.activation_bytes[a:b].sum() + lay.boundary_bytes(a, b)), update, nbytes, weight,
                              lay.latency_ms, lay.message_ms, lay.loss_bytes if b == L else 0.0, share,
-                             bool(kind.reduce_waits_a_step(b == L, lay.shard_optimizer))))
+                             bool(kind.reduce_waits_a_step(b == L, lay.shard_optimizer)), held - p,
+                             float(lay.buffers(a, b))))
     for _, size, stages in lay.ties.across(ranges):  # a shared parameter's copies summed at the STEP (reduce.py)
         holders = sorted({r for s in stages for r in ranks[s]})
         ring = sum(2.0 * (f - 1) / f * size / (topology.levels[k].bandwidth / 1e3)
@@ -101,8 +103,8 @@ def price(lay: LayerCosts, topology: Topology, schedule: str, microbatches: int,
             cost.transient_bytes += float(lay.graph_bytes(a, b, -(-microbatches // len(rs))))
         for s, cost in enumerate(costs[:groups]):  # the runtime's own time per update (a rank's chunks together)
             # and the weight copies an update makes the asynchronous schedules keep (ScheduleKind.copies_per_update)
-            cost.optimizer_ms += lay.update_ms + lay.copy_ms_per_byte * cost.parameter_bytes * kind.copies_per_update(
-                reps, s)
+            cost.optimizer_ms += lay.update_ms + lay.copy_ms_per_byte * (  # every weight is copied, frozen too
+                cost.parameter_bytes + cost.frozen_bytes) * kind.copies_per_update(reps, s)
         sim = simulate(schedule, costs, [len(r) for r in ranks], microbatches, optimizer=optimizer,
                        keep_timeline=keep_timeline, ranks=ranks, topology=topology,
                        virtual_stages=len(ranks) // groups, warmup=warmup)

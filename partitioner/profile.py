@@ -1,34 +1,19 @@
-"""profile.json (`pipeflow.profile/1`): Profile and LayerProfile dataclasses, load/save/validate (docs/formats.md).
+"""profile.json (`pipeflow.profile/1`): Profile and LayerProfile dataclasses, load/save/validate. docs/formats.md
+says what every field means; this module checks them.
 
-Optional fields (issue 13; a file without them is read as before, and readers that ignore unknown keys
-read files with them): per layer `backward_accumulate_ms`, the backward when gradients already exist
-(every microbatch of a step but the first), and `backward_weight_ms`, the weight-gradient (W) share of the
-backward that zero-bubble schedules defer (pipeflow/split.py); at the top, `loss_ms` (the loss's forward and
-backward per microbatch) and `optimizer_ms_per_byte` ({"adam": ..., "sgd": ...}: one update per parameter byte as
-a rank runs it, the gradients' non-finite check and the step), and `loss_bytes`, the memory the loss takes beyond
-its input from its forward to the end of its backward (on the last stage's peak); `ranks_per_host`, how many
-processes computed at once when `contention` was measured: a forward and backward pass beside ranks_per_host - 1
-busy companions over the same pass alone (pipeflow-profile --ranks-per-host; the layers are timed alone);
-`copy_ms_per_byte`, one copy of the weights per byte, which async and 2bw make to keep a weight version (priced
-per update, ScheduleKind.copies_per_update); `ties`, the layers that share parameters (partitioner/ties.py). The
-planner uses them when present and counts them as 0 (or backward_ms) when absent (Profile.weight_column). Per
-layer `forward_gemm_ms`, `backward_gemm_ms` and `backward_accumulate_gemm_ms` are the same times with gradient
-accumulation inside the weight GEMMs, where pipeflow-profile timed both ways (partitioner/accumulation.py). Also
-optional at the top, the runtime's own costs on this machine (`python -m partitioner.calibrate`, from a traced run):
-`action_ms`, added to every forward and backward of a stage, `message_ms`, the sender's time per
-message to a neighbouring stage, `latency_ms`, the time a message takes beyond bytes / bandwidth until
-the receiver can use it (it does not hold the link), `step_gap_ms`, the runtime's time between two steps,
-`layer_ms`, the runtime's own time per layer of a stage on each forward and backward (Python dispatch),
-`update_ms`, the runtime's own time per optimizer update beyond the profiled step, and `compute_factor`, how much
-slower (or faster) the layers run in a running stage than profiled.
-
-On CUDA with more than one GPU visible, the optional `link_bandwidth` (bytes/s, measured GPU to GPU) is the default
-topology of pipeflow-plan without --topology; on CPU partitioner.calibrate writes it (a traced all-reduce).
-
-One file may hold the model at several microbatch sizes (`pipeflow-profile --microbatch-sizes 2,4,8`, for
-`pipeflow-plan --global-batch`): the top level is the first size, as a one-size file, and the optional
-`other_microbatch_sizes` lists complete profiles of the same layers at the other sizes. Older readers see a
-one-size profile.
+Optional fields (a file without them is read as before, and readers that ignore unknown keys read files with them):
+per layer the backward with gradients already there (`backward_accumulate_ms`), its W share (`backward_weight_ms`),
+the same times with gemm accumulation (`*_gemm_ms`, partitioner/accumulation.py), the parameters without gradient
+(`frozen_bytes`, within parameter_bytes), the buffers (`buffer_bytes`) and what of its input and output the
+backward keeps (`saved_input_bytes`, `saved_output_bytes`: a stage holds the rest of its received input and sent
+output per microbatch in flight); at the top the loss (`loss_ms`, `loss_bytes`), the update and a weight copy per
+byte (`optimizer_ms_per_byte`, `copy_ms_per_byte`), the contention beside busy ranks (`contention`,
+`ranks_per_host`), the layers sharing parameters (`ties`, partitioner/ties.py), how the layers were timed
+(`timing`), the measured link (`link_bandwidth`), the runtime's own costs from a traced run
+(`python -m partitioner.calibrate`: RUNTIME_NUMBERS, `compute_factor`), and other microbatch sizes
+(`other_microbatch_sizes`: complete profiles of the same layers, for `pipeflow-plan --global-batch`; the top level is
+the first size, so older readers see a one-size profile). The planner uses them when present and counts them as 0
+(or backward_ms) when absent.
 """
 from __future__ import annotations
 
@@ -45,7 +30,8 @@ PROFILE_FORMAT = "pipeflow.profile/1"
 LAYER_NUMBERS = ("forward_ms", "backward_ms", "output_bytes", "activation_bytes", "parameter_bytes")
 # gemm: the same times with every nn.Linear adding its weight gradient into .grad inside the GEMM
 GEMM_NUMBERS = ("forward_gemm_ms", "backward_gemm_ms", "backward_accumulate_gemm_ms")
-OPTIONAL_LAYER_NUMBERS = ("backward_accumulate_ms", "backward_weight_ms", *GEMM_NUMBERS)
+MEMORY_NUMBERS = ("frozen_bytes", "buffer_bytes", "saved_input_bytes", "saved_output_bytes")  # LayerCosts reads them
+OPTIONAL_LAYER_NUMBERS = ("backward_accumulate_ms", "backward_weight_ms", *GEMM_NUMBERS, *MEMORY_NUMBERS)
 RUNTIME_NUMBERS = ("action_ms", "message_ms", "latency_ms", "step_gap_ms", "layer_ms", "update_ms")  # optional
 MAX_COMPUTE_FACTOR = 100.0
 CALIBRATED = (*RUNTIME_NUMBERS, "compute_factor", "link_bandwidth")  # what partitioner.calibrate may write
@@ -87,6 +73,10 @@ class LayerProfile:
     forward_gemm_ms: float | None = None
     backward_gemm_ms: float | None = None
     backward_accumulate_gemm_ms: float | None = None
+    frozen_bytes: int | None = None  # parameters that do not require grad: no gradient, no optimizer state
+    buffer_bytes: int | None = None  # buffers (BatchNorm's statistics, masks): held once per stage
+    saved_input_bytes: int | None = None  # of its input, what its backward keeps
+    saved_output_bytes: int | None = None  # of its output, what its backward keeps
 
     def check(self, where: str = "layer") -> None:
         if not isinstance(self.name, str):
@@ -101,6 +91,10 @@ class LayerProfile:
             if v > limit:
                 raise ProfileError(f"{where}.{key} must be at most {limit:g} "
                                    f"({'ms' if key.endswith('_ms') else 'bytes'}), found {show(v)}")
+        for key, whole in (("frozen_bytes", "parameter_bytes"), ("saved_output_bytes", "output_bytes")):
+            if (getattr(self, key) or 0) > getattr(self, whole):
+                raise ProfileError(f"{where}.{key} must be at most its {whole} ({show(getattr(self, whole))}), found "
+                                   f"{show(getattr(self, key))}")
 
 
 @dataclass

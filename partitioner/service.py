@@ -29,6 +29,7 @@ from partitioner.search import search
 from partitioner.simulate import SimResult, StageCost
 from partitioner.ties import split_tie_error
 from partitioner.topology import Level, Topology, format_bytes, parse_bytes
+from pipeflow.actions import ScheduleError
 from pipeflow.kinds import schedule_kind
 
 # --microbatches auto: the smallest power of two up to AUTO_MAX_MICROBATCHES whose simulated bubble (share
@@ -82,11 +83,13 @@ def _explain(model: CostModel, workers: int) -> PlanningError:
     s = max(range(len(costs)), key=lambda k: sim.peak_memory_bytes[k])
     st, need, fl = sol[0].stages[s], sim.peak_memory_bytes[s], sim.peak_in_flight[s]
     act = fl * costs[s].activation_bytes
+    ways = [w for w in ("more workers", "sgd" * (model.optimizer != "sgd"), "fewer microbatches",
+                        "--schedule 1f1b" * (model.schedule != "1f1b")) if w]
     return PlanningError(
         f"no plan fits --memory-per-worker {format_bytes(limit or 0)}: even the fastest plan's stage {s} "
         f"(layers [{st.start}, {st.end}), {len(st.ranks)} replica(s)) needs {format_bytes(need)} "
         f"(weights, gradients, optimizer state {format_bytes(need - act)} + activations of {fl} microbatch(es) "
-        f"{format_bytes(act)}); use more workers, sgd, fewer microbatches or --schedule 1f1b")
+        f"{format_bytes(act)}); use {', '.join(ways[:-1])} or {ways[-1]}")
 
 
 def _search(model: CostModel, keep_timeline: bool = False) -> tuple[Solution, Priced, dict[str, object]]:
@@ -279,9 +282,12 @@ def evaluate_plan(profile: Profile, plan: Plan, *, topology: Topology | str | No
     why = why or (split_tie_error(split[0][0], split[0][2], plan.schedule) if split else None)
     if why:
         raise PlanError(f"the plan cannot run: {why}")
-    costs, sim = price(lay, topo, plan.schedule, plan.microbatches, [st.layers for st in plan.stages],
-                       [st.ranks for st in plan.stages], optimizer=optimizer, keep_timeline=keep_timeline,
-                       warmup=plan.warmup)
+    try:
+        costs, sim = price(lay, topo, plan.schedule, plan.microbatches, [st.layers for st in plan.stages],
+                           [st.ranks for st in plan.stages], optimizer=optimizer, keep_timeline=keep_timeline,
+                           warmup=plan.warmup)
+    except ScheduleError as e:  # the replay's grid is for pipeflow-train's log; here the first line
+        raise PlanError(f"the plan cannot run: warmup {plan.warmup}: {str(e).splitlines()[0]}") from None
     extra = dict(plan.extra)
     extra["planner"] = {"topology": str(topo), "optimizer": optimizer, "microbatch_size": profile.microbatch_size,
                         "evaluated": True}

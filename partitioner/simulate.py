@@ -7,9 +7,8 @@ What the replay charges, as the runtime does it (pipeflow/comm.py, pipeflow/redu
   both, so all transfers through a worker share its bandwidth (three replicas feeding one worker queue at
   its receive port), and reaches the receiver StageCost.latency_ms later (calibrated; 0 by default). Sends
   are non-blocking: they overlap compute. The transfer starts with the sender's own time for the message
-  (StageCost.message_ms, calibrated: the end of the F or B that sends it), so the receiver has it after the
-  longer of the two, not their sum (on CPU gloo writes the message in that time). Ports serve messages in
-  time order;
+  (StageCost.message_ms, calibrated: the end of the F or B that sends it), so the receiver has it after the longer
+  of the two, not their sum (on CPU gloo writes the message in that time). Ports serve messages in time order;
 - STEP: the replicas' ring all-reduce (2 (r-1)/r * P / B per topology level) is bucketed into the last
   backward, so it starts when every replica has started its last backward and ends no earlier than it
   ends (`reduce_late`: launched when every replica is at the STEP, waited for at the next); then the local
@@ -54,6 +53,8 @@ class StageCost:
     # under CUDA graphs every replayed action's static input and output, partitioner/price.py)
     state_share: float = 1.0  # the share of the stage's optimizer state a replica holds (1/r: --shard-optimizer)
     reduce_late: bool = False  # its all-reduce launched at a STEP, completed at the next (2bw's deferred update)
+    frozen_bytes: float = 0.0  # parameters without gradient or optimizer state (parameter_bytes: the trainable ones)
+    buffer_bytes: float = 0.0  # buffers, held once
 
 
 @dataclass
@@ -258,8 +259,8 @@ def _stage_peaks(sched: Schedule, stages: Sequence[StageCost], peak: list[int], 
         n = max(peak[w] for w in range(len(stage_of)) if stage_of[w] == s % S)
         mine = stages[s % S::S]
         # Copies of the weights beside the live ones, as stash.py holds them (ScheduleKind.stashed_versions).
-        weights = sum(c.parameter_bytes * (2 + OPTIMIZER_STATES[optimizer] * c.state_share
-                                           + kind.stashed_versions(n, c.state_share))
+        weights = sum((c.parameter_bytes + c.frozen_bytes) * (1 + kind.stashed_versions(n, c.state_share))
+                      + c.parameter_bytes * (1 + OPTIMIZER_STATES[optimizer] * c.state_share) + c.buffer_bytes
                       for c in mine)
         mem.append(weights + n * max(c.activation_bytes for c in mine) + max(c.transient_bytes for c in mine))
         fl.append(n)

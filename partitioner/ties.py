@@ -19,11 +19,13 @@ from typing import Any
 
 
 def find_ties(layers: Sequence[Any], dtype: Any = None) -> list[dict[str, Any]]:
-    """The layers sharing parameters (by identity, as the runtime finds them), in order of first use. `dtype`: the
-    torch dtype the layers' floating-point parameters are cast to (--dtype; None: as built)."""
+    """The layers sharing trainable parameters (by identity, as the runtime finds them), in order of first use.
+    `dtype`: the torch dtype the layers' floating-point parameters are cast to (--dtype; None: as built)."""
     held: dict[int, tuple[list[int], int]] = {}
     for i, layer in enumerate(layers):
         for p in layer.parameters():  # once per layer, however many of its modules hold it
+            if not p.requires_grad:  # frozen: in each layer's frozen_bytes, no gradient to sum
+                continue
             size = p.numel() * (dtype.itemsize if dtype is not None and p.is_floating_point() else p.element_size())
             uses, size = held.setdefault(id(p), ([], size))
             uses.append(i)

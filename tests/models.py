@@ -260,3 +260,49 @@ def shared_mlp(d_in: int = 6, hidden: int = 8, repeats: int = 3, tie_head: bool 
     head: nn.Module = TiedHead(inp) if tie_head else nn.Linear(hidden, d_in)
     layers: list[nn.Module] = [nn.Sequential(inp, nn.Tanh()), *[block] * repeats, Tanh(hidden), head]
     return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(samples, d_in - 1, d_in))
+
+
+class Repeat(nn.Module):
+    """Its input repeated `k` times along the features: no parameters, and its backward keeps nothing."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.repeat(1, self.k)
+
+
+class ChunkMean(nn.Module):
+    """The mean of `k` equal chunks of the features: its backward keeps nothing either."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], self.k, -1).mean(dim=1)
+
+
+class Project(nn.Module):
+    """x @ proj, a fixed (non-persistent) buffer its backward keeps, then a trainable Linear."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.register_buffer("proj", torch.randn(d, d) / d**0.5, persistent=False)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x @ self.proj))
+
+
+def memory_mlp(d: int = 16, k: int = 64, frozen: int = 1, classes: int = 3, samples: int = 64) -> ModelSpec:
+    """For the planner's memory: Linear layers, the first `frozen` of them frozen (a fine-tuned backbone), then a
+    layer whose output is `k` times its input and one that takes it back (neither keeps anything for its
+    backward: a stage holds that wide tensor only as its boundary), a layer with a buffer, and a head."""
+    torch.manual_seed(5)
+    layers: list[nn.Module] = [nn.Sequential(nn.Linear(d, d), nn.Tanh()) for i in range(frozen + 1)]
+    for layer in layers[:frozen]:
+        layer.requires_grad_(False)
+    layers += [Repeat(k), ChunkMean(k), Project(d), nn.Linear(d, classes)]
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(samples, d - 1, classes))

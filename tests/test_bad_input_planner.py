@@ -234,3 +234,10 @@ def test_profile_fields_out_of_range(d: Path, capsys: pytest.CaptureFixture[str]
                                      message: str) -> None:
     (d / "bad.json").write_text(json.dumps({**make_profile().to_json(), **fields}))
     assert refused(capsys, ["bad.json", "--workers", "2", "-o", "o.json"]) == f"bad.json: {message}"
+
+
+def test_evaluate_refuses_warmup_counts_that_deadlock(d: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The replay finds the deadlock: one line, as pipeflow-train refuses the same plan (it was a traceback)."""
+    assert refused(capsys, ["p.json", "--evaluate", plan_file(d / "w.json", warmup=[0, 3]), "-o", "o.json"]) == (
+        "the plan cannot run: warmup [0, 3]: deadlock: worker 0 at B0, worker 1 at F1 can never proceed")
+    assert not (d / "o.json").exists()
