@@ -73,8 +73,12 @@ def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int,
         holders = sorted({r for s in stages for r in ranks[s]})
         ring = sum(2.0 * (f - 1) / f * size / (topology.levels[k].bandwidth / 1e3)
                    for k, f in enumerate(level_factors(holders, topology)) if f > 1)
+        seen: set[tuple[int, ...]] = set()
         for s in stages:
             out[s].optimizer_ms += ring
+            if tuple(ranks[s]) in seen:  # another chunk of the same ranks holds it: one Parameter there (links.py)
+                out[s].parameter_bytes = max(0.0, out[s].parameter_bytes - size)
+            seen.add(tuple(ranks[s]))
     return out
 
 

@@ -135,3 +135,15 @@ def test_every_microbatch_size_of_a_profile_has_its_ties(tmp_path: Path) -> None
     d = json.loads((tmp_path / "p.json").read_text())
     assert "ties" not in d["other_microbatch_sizes"][0]
     assert [p.ties for p in Profile.load(tmp_path / "p.json").at_sizes()] == [ties, ties]
+
+
+def test_chunks_on_one_rank_hold_one_copy() -> None:
+    """Interleaved: a parameter shared by two chunks of rank 0 is one Parameter there (pipeflow/links.py)."""
+    ranges, ranks = [(0, 1), (1, 2), (2, 3), (3, 4)], [[0], [1], [0], [1]]
+    plan = Plan("interleaved", 4, 2, [StagePlan(r, 1, k) for r, k in zip(ranges, ranks)])
+    tied = evaluate_plan(synthetic([{"layers": [0, 2], "bytes": BLOCK}], layers=4), plan)
+    alone = evaluate_plan(synthetic(None, layers=4), plan)
+    assert [c.parameter_bytes for c in tied.costs] == [BLOCK, BLOCK, 0, BLOCK]
+    # rank 0 holds one parameter less than without the tie: its weights, gradient and Adam's two states
+    assert alone.sim.peak_memory_bytes[0] - tied.sim.peak_memory_bytes[0] == 4 * BLOCK
+    assert tied.sim.peak_memory_bytes[1] == alone.sim.peak_memory_bytes[1]
