@@ -46,6 +46,7 @@ from partitioner.plan import Plan
 from pipeflow.failure import UsageError
 from pipeflow.graphcheck import graphs_enabled
 from pipeflow.hooks import WeightHooks, WeightPolicy
+from pipeflow.spec import model_dtype
 from pipeflow.stage import Stage
 
 
@@ -55,8 +56,9 @@ def make_stages(layers: list[nn.Module], plan: Plan, group: int, **kwargs: Any) 
     loss_fn, device, dtype and seed."""
     K = len(plan.stages)
     make = GraphedStage if graphs_enabled() else Stage
-    return {k: make(layers[st.layers[0]:st.layers[1]], start=st.layers[0], first=k == 0, last=k == K - 1, **kwargs)
-            for k, st in enumerate(plan.stages) if k % plan.groups == group}
+    inputs = model_dtype(nn.ModuleList(layers))  # the whole model's, as one process casts its inputs
+    return {k: make(layers[st.layers[0]:st.layers[1]], start=st.layers[0], first=k == 0, last=k == K - 1,
+                    inputs=inputs, **kwargs) for k, st in enumerate(plan.stages) if k % plan.groups == group}
 
 
 def weight_hooks(stages: dict[int, Stage]) -> WeightHooks:

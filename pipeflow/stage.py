@@ -62,17 +62,19 @@ class Stage:
     """Layers [start, end) of the model as one nn.Sequential (its state_dict keys are local indices).
 
     `dtype` None keeps the layers' own dtype; the first stage then casts floating inputs to the dtype of
-    its parameters. `seed` is --seed: it seeds each layer's randomness per microbatch (module docstring)."""
+    the model's first floating-point parameter (its own, else `inputs`), as one process does. `seed` is --seed: it
+    seeds each layer's randomness per microbatch (module docstring)."""
 
     def __init__(self, layers: list[nn.Module], *, start: int, first: bool, last: bool,
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None, device: torch.device,
-                 dtype: torch.dtype | None = None, seed: int = 0) -> None:
+                 dtype: torch.dtype | None = None, seed: int = 0, inputs: torch.dtype | None = None) -> None:
         self.module = nn.Sequential(*layers).to(device=device, dtype=dtype)
         self.start = start
         self.first, self.last = first, last
         self.loss_fn = loss_fn
         self.device = device
-        self.dtype = dtype or model_dtype(self.module)  # None: no parameters, inputs kept as they come
+        # `inputs`: the whole model's dtype (graphs.make_stages), for a first stage without parameters; None: none
+        self.dtype = dtype or model_dtype(self.module) or inputs
         self.seed = seed
         self.generators = [torch.default_generator]
         if device.type == "cuda":  # dropout on a CUDA tensor draws from that device's generator

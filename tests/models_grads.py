@@ -469,3 +469,12 @@ def strided(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64)
     """Layers: input, Strided, ScaleSecond: cut before the last, the two overlapping views cross apart."""
     layers: list[nn.Module] = [Inp(d_in, hidden), Strided(hidden), ScaleSecond(hidden // 2, 2, classes)]
     return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
+
+
+def float64_after_activation(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
+    """Built in float64 on float32 data, its first layer without parameters (ReLU): one process casts the inputs to
+    the model's dtype, the first parameter's, so a first stage of the ReLU alone must too."""
+    layers: list[nn.Module] = [nn.ReLU(), Inp(d_in, hidden), nn.Tanh(), Out(hidden, classes)]
+    for layer in layers:
+        layer.double()
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))

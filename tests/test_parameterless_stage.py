@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeflow.update import optimizer_over
-from tests.conftest import Case, MpiRun, batched
+from tests.conftest import Case, MpiRun, batched, write_plan
 from tests.reference import reference_delayed
 from tests.test_seams_grads import SMALL, B, assert_same, reference, saved, train
 
@@ -52,3 +52,21 @@ def test_a_stage_of_activations_under_the_asynchronous_schedules(mpi: MpiRun, sc
     want = reference_delayed(MODEL, SMALL, schedule=schedule, stages=[(1, 1), (2, 1), (1, 1)], steps=3,
                              microbatches=4, microbatch_size=B, optimizer="adamw", lr=0.01)  # weight decay 0.01
     assert_same(saved(mpi), want)
+
+
+def first_stage_of_an_activation(d: Path) -> list[Case]:
+    """No --dtype: the float64 model's float32 inputs, cast by one process, and by a first stage of its ReLU alone."""
+    def run(stages: list[tuple[int, int]], name: str) -> Case:
+        plan = d / f"plan-{name}.json"
+        np_ = write_plan(plan, "1f1b", 4, stages)
+        return Case(np_, ["--model", "tests.models_grads:float64_after_activation", "--plan", str(plan), "--steps",
+                          "3", "--microbatch-size", "2", "--device", "cpu", "--save", str(d / name), *OPT])
+    return [run([(4, 1)], "one.pt"), run([(1, 1), (3, 1)], "split.pt")]
+
+
+@batched(first_stage_of_an_activation)
+def test_a_first_stage_without_parameters_casts_inputs_to_the_model_s_dtype(mpi: MpiRun) -> None:
+    """It kept them float32: the ReLU ran in float32 and the weights differed from one process's by 2e-9 (a layer
+    that does not cast its own input stopped the run with "mat1 and mat2 must have the same dtype")."""
+    one, split = saved(mpi, "one.pt"), saved(mpi, "split.pt")
+    assert one.keys() == split.keys() and all(torch.equal(one[k], split[k]) for k in one)
