@@ -15,6 +15,7 @@ from partitioner.layermem import sandbox_copy
 from partitioner.measure import NOISY_SPREAD, Timer, free_cached, machine_bytes, map_tensors, prepare_input, tensors
 from pipeflow.received import received
 from pipeflow.spec import ModelSpec
+from pipeflow.tensorops import random_like
 
 
 class Marks:
@@ -139,7 +140,7 @@ def time_chain(layers: Sequence[Any], x: Any, device: torch.device, *, warmup: i
             for t in ys:  # the loss's backward ends when the last layer's outputs have their gradient
                 t.register_hook(lambda _g, at=at: at.__setitem__(n - 1, clock.stamp()))
         elif gs is None:
-            gs = [torch.randn_like(t) for t in ys]  # what the next stage would send
+            gs = [random_like(t) for t in ys]  # what the next stage would send
         ends = [clock.stamp()]
         if ys:
             torch.autograd.backward([value] if value is not None else ys, None if value is not None else gs)

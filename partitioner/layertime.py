@@ -15,6 +15,7 @@ from pipeflow.received import received
 from pipeflow.split import time_split_backward
 from pipeflow.structure import OutputError
 from pipeflow.structure import split as sendable
+from pipeflow.tensorops import random_like
 
 
 def _time_forward_backward(layer: nn.Module, x: Any, timer: Timer, *, accumulate: bool) -> tuple[float, float]:
@@ -32,7 +33,7 @@ def _time_forward_backward(layer: nn.Module, x: Any, timer: Timer, *, accumulate
 
     t_f = timer(forward)
     ys = [t for t in tensors(holder["y"]) if t.requires_grad]
-    grads = [torch.randn_like(t) for t in ys]
+    grads = [random_like(t) for t in ys]
     t_b = timer(lambda: torch.autograd.backward(ys, grads) if ys else None)
     return t_f, t_b
 

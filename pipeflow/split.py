@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_leaves
 
 from partitioner.plan import ACCUMULATIONS  # plan.json's `accumulation` takes the same values
 from pipeflow.received import received
+from pipeflow.tensorops import random_like
 
 
 def gemm_accumulation(environ: Mapping[str, str] = os.environ, *, planned: str | None = None) -> bool:
@@ -247,7 +248,7 @@ def time_split_backward(layer: nn.Module, x: Any, timer: Callable[[Callable[[], 
             ys = [t for t in tree_leaves(layer(received(x))) if isinstance(t, torch.Tensor) and t.requires_grad]
             if not ys:
                 return None
-            grads = [torch.randn_like(t) for t in ys]
+            grads = [random_like(t) for t in ys]
 
             def backward_input(ys: list[torch.Tensor] = ys, grads: list[torch.Tensor] = grads) -> None:
                 with store.defer(0):

@@ -2,8 +2,9 @@
 and lists, dicts, None and other constants among the tensors (an attention layer's (output, None), a block's
 (hidden, (key, value)), a dict of named tensors). The tensors travel every microbatch; the structure around them (a
 torch.utils._pytree spec, as text, and the constants) travels once per input signature with their shapes (comm.P2P's
-meta), and the receiving stage's first layer gets the same structure back, as in one process. A flat named tuple of
-tensors arrives as a plain tuple, as before; a nested one is refused (torch cannot write its spec as text). One tensor
+meta), and the receiving stage's first layer gets the same structure back, as in one process. A named tuple arrives as
+itself where its class imports by its module and name (_named); one defined in a function arrives flat as a plain
+tuple and is refused nested (torch cannot write its spec as text). One tensor
 returned twice, (h, h), travels once and arrives as one tensor in both places, as in one process (an in-place change
 to one is seen in the other; their gradients add up in one buffer). So does a tensor that is a view inside another
 one returned beside it, (h, h[:, 0]) or (h, h.t()): it travels inside the other and arrives as the same view of it,
@@ -15,11 +16,15 @@ receiving stage stops in one line if its layers change one of them in place wher
 in one process the other would see the change."""
 from __future__ import annotations
 
+import collections
 import functools
+import importlib
+import json
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
+from torch.utils import _pytree
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 from pipeflow.failure import UsageError
 
@@ -39,9 +44,8 @@ class OutputError(UsageError):
 
 
 def shape_change(dst: int, before: Any, now: Any, signature: Any) -> OutputError:
-    """The error for tensors between stages whose shapes changed for inputs of the same shapes (comm.P2P's meta,
-    sent once per input signature: the receiver posts its receives from it). A data-dependent shape (x[mask]) does
-    that; DeepSpeed's and torch's pipelines require static shapes between stages too."""
+    """The error for tensors between stages whose shapes (or structure) changed for inputs of the same shapes
+    (comm.P2P's meta, sent once per input signature); DeepSpeed's and torch's pipelines require static shapes too."""
     def shapes(meta: Any, grad: bool = False) -> str:
         return ", ".join(f"{tuple(s)} {str(d).removeprefix('torch.')}" + (" requiring grad" if grad and g else "")
                          for s, d, g in meta[0])
@@ -50,6 +54,10 @@ def shape_change(dst: int, before: Any, now: Any, signature: Any) -> OutputError
                            f"[{shapes(now, True)}] for inputs of the same shapes {signature}: whether they require "
                            "grad must not change between microbatches of one step (a stage's output detached for some "
                            "only); between the steps of your own loop, Pipeline follows a change of requires_grad")
+    if shapes(before) == shapes(now):  # the structure, or a constant's value: it travels once per input shape
+        return OutputError(f"what is sent to rank {dst} beside the tensors [{shapes(now)}] changed for inputs of "
+                           f"the same shapes {signature}: its structure or a constant (None, bool, int, float, str), "
+                           "which must not depend on the data: return a value computed from it as a tensor")
     return OutputError(f"the tensors sent to rank {dst} changed from [{shapes(before)}] to "
                        f"[{shapes(now)}] (or their structure) for inputs of the same shapes {signature}; what crosses "
                        "a stage boundary must depend on the input's shapes only: keep a data-dependent shape, as "
@@ -71,14 +79,18 @@ def split(out: Any) -> tuple[list[torch.Tensor], Tree]:
     inside = _views(unique, ptrs)
     sending = [t for t in unique if id(t) not in inside]
     shared = _shared(sending, [p for t, p in zip(unique, ptrs) if id(t) not in inside])
+    named = _name_namedtuples(spec)  # False: one the next stage cannot import by name
     if len(unique) == len(tensors) and not inside and not shared and isinstance(out, tuple) and len(out) > 1 and all(
-            isinstance(v, torch.Tensor) for v in out):
-        return tensors, None
+            isinstance(v, torch.Tensor) for v in out) and (type(out) is tuple or named is not True):
+        return tensors, None  # a flat named tuple defined in a function: a plain tuple there
     try:
         text = treespec_dumps(spec)
     except NotImplementedError:
-        raise OutputError(f"a stage's output holds a {type(out).__name__} around other containers, whose structure "
-                          f"cannot be sent to the next stage; expected tuples, lists and dicts") from None
+        what = (f"the named tuple {named} around other containers, which the next stage cannot import by that name "
+                "(a class defined inside a function): define it at module level, or return" if named is not True else
+                f"a {type(out).__name__} around other containers, whose structure cannot be sent to the next stage; "
+                "expected")
+        raise OutputError(f"a stage's output holds {what} tuples, lists and dicts") from None
     sent = {id(t): k for k, t in enumerate(sending)}  # id -> its index among the tensors sent
     marks: list[tuple[Any, ...] | int | None] = []
     placed: set[int] = set()
@@ -174,29 +186,29 @@ def _overlap(a: Layout, b: Layout) -> bool:
 
 def _views(tensors: list[torch.Tensor], ptrs: list[int | None]) -> dict[int, torch.Tensor]:
     """id -> the tensor among `tensors` (`ptrs`: their storages, `_pointers`) that holds it, for each one whose
-    elements all lie inside another contiguous one of the same storage and dtype (the largest such, the first of
-    equals) and that is its view (`_view_of`)."""
+    elements all lie inside another contiguous one of the same storage and dtype that it is a view of (`_view_of`;
+    the largest such, the first of equals, itself inside none)."""
     if len(tensors) < 2:
         return {}
     if len({p for p in ptrs if p is not None}) == sum(p is not None for p in ptrs):
         return {}  # no two share memory: the common case, one storage lookup each
-
-    def span(t: torch.Tensor) -> tuple[int, int]:
-        lo = int(t.storage_offset())
-        return lo, lo + 1 + sum((int(n) - 1) * int(st) for n, st in zip(t.shape, t.stride()))
-
-    spans = [span(t) if p is not None else (0, 0) for t, p in zip(tensors, ptrs)]
+    # each tensor's first element and one past its last, in elements of its storage
+    spans = [(int(t.storage_offset()), int(t.storage_offset()) + 1 + sum((int(n) - 1) * int(st) for n, st in
+                                                                          zip(t.shape, t.stride())))
+             if p is not None else (0, 0) for t, p in zip(tensors, ptrs)]
     out: dict[int, torch.Tensor] = {}
+    bases: set[int] = set()  # a base travels: never inside another
     for i, t in enumerate(tensors):
-        if ptrs[i] is None:
+        if ptrs[i] is None or id(t) in bases:
             continue
         lo, hi = spans[i]
-        holders = [(b_hi - b_lo, -j, b) for j, (b, (b_lo, b_hi)) in enumerate(zip(tensors, spans))
-                   if ptrs[j] == ptrs[i] and b.dtype == t.dtype and b.is_contiguous() and b_lo <= lo and hi <= b_hi]
-        if holders:
-            base = max(holders, key=lambda h: h[:2])[2]
-            if base is not t and _view_of(t, base):
-                out[id(t)] = base
+        holders = sorted(((b_hi - b_lo, -j, b) for j, (b, (b_lo, b_hi)) in enumerate(zip(tensors, spans))
+                          if ptrs[j] == ptrs[i] and b.dtype == t.dtype and b.is_contiguous() and b_lo <= lo
+                          and hi <= b_hi and b is not t and id(b) not in out), key=lambda h: h[:2], reverse=True)
+        base = next((b for _, _, b in holders if _view_of(t, b)), None)  # (h.view(...), h): h, not the first
+        if base is not None:
+            out[id(t)] = base
+            bases.add(id(base))
     return out
 
 
@@ -240,4 +252,49 @@ def join(tensors: list[torch.Tensor], tree: Tree) -> Any:
             leaves.append(base.as_strided(size, stride, base.storage_offset() + offset))
         else:
             leaves.append(mark[0])
-    return tree_unflatten(leaves, treespec_loads(text))
+    try:
+        spec = treespec_loads(text)
+    except NotImplementedError:  # a named tuple this rank has not named yet (the sender did: _name_namedtuples)
+        spec = treespec_loads(_import_namedtuples(text))
+    return tree_unflatten(leaves, spec)
+
+
+@functools.cache
+def _named(cls: type) -> str | None:
+    """`cls`'s module.qualname, registered with torch's pytree so that a spec's text names it; None where that name
+    does not import back to it (a class defined inside a function)."""
+    name = f"{cls.__module__}:{cls.__qualname__}"
+    found: Any = importlib.import_module(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        found = getattr(found, part, None)
+    if found is not cls:
+        return None
+    _pytree._register_namedtuple(cls, serialized_type_name=name)
+    return name
+
+
+def _name_namedtuples(spec: TreeSpec) -> bool | str:
+    """Name every named tuple class in `spec` (_named): True, or the first that has no importable name."""
+    stack = [spec]
+    while stack:
+        node = stack.pop()
+        cls = node.context if node.type is collections.namedtuple else node.type  # torch's generic entry, or its own
+        if isinstance(cls, type) and _pytree.is_namedtuple_class(cls) and _named(cls) is None:
+            return f"{cls.__module__}:{cls.__qualname__}"
+        stack.extend(node.children())
+    return True
+
+
+def _import_namedtuples(text: str) -> str:
+    """Import and name the named tuple classes `text` (a spec) holds, as the sending rank named them (_named)."""
+    stack = [json.loads(text)[1]]
+    while stack:
+        node = stack.pop()
+        if node["type"] == "collections.namedtuple":
+            module, _, qualname = node["context"].partition(":")
+            found: Any = importlib.import_module(module)
+            for part in qualname.split("."):
+                found = getattr(found, part)
+            _named(found)
+        stack.extend(node["children_spec"])
+    return text

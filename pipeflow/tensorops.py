@@ -65,3 +65,12 @@ def copy_weights(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> No
             small_s.append(s)
     if small_d:
         torch._foreach_copy_(small_d, small_s)
+
+
+def random_like(t: torch.Tensor) -> torch.Tensor:
+    """Normal noise shaped like `t`, as a gradient the next stage might send (timing, the B/W split); drawn in
+    float32 and cast where torch has no normal kernel for `t`'s dtype (float8 on a CPU)."""
+    try:
+        return torch.randn_like(t)
+    except (RuntimeError, NotImplementedError):
+        return torch.randn(t.shape, device=t.device).to(t.dtype)

@@ -2,7 +2,7 @@
 uses, a module applied twice under reentrant checkpointing, and wide cheap layers for memory runs."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -341,13 +341,13 @@ def unsendable(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 
 class SameTwice(nn.Module):
     """Returns one tensor twice, (h, h), as a block may return its output as both the hidden state and the skip."""
 
-    def __init__(self, d_in: int, hidden: int) -> None:
+    def __init__(self, d_in: int, hidden: int, view_first: bool = False) -> None:
         super().__init__()
-        self.fc = nn.Linear(d_in, hidden)
+        self.fc, self.view_first = nn.Linear(d_in, hidden), view_first
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.fc(x)
-        return h, h
+        return (h.view(h.shape), h) if self.view_first else (h, h)  # a whole view before its base, or h twice
 
 
 class AddInPlace(nn.Module):
@@ -363,9 +363,10 @@ class AddInPlace(nn.Module):
         return torch.tanh(self.fc(a + b))
 
 
-def returned_twice(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64) -> ModelSpec:
-    """Layers: (h, h), the pair's first changed in place, output."""
-    layers: list[nn.Module] = [SameTwice(d_in, hidden), AddInPlace(hidden), Out(hidden, classes)]
+def returned_twice(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64,
+                   view_first: bool = False) -> ModelSpec:
+    """Layers: (h, h), or (h.view(h.shape), h), the pair's first changed in place, output."""
+    layers: list[nn.Module] = [SameTwice(d_in, hidden, view_first), AddInPlace(hidden), Out(hidden, classes)]
     return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
 
 
@@ -478,3 +479,39 @@ def float64_after_activation(d_in: int = 6, hidden: int = 8, classes: int = 3, s
     for layer in layers:
         layer.double()
     return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
+
+
+class Hidden(NamedTuple):
+    """A layer's output by name (as transformers' ModelOutput-like tuples): the next layer reads `.hidden`."""
+
+    hidden: torch.Tensor
+    res: torch.Tensor
+
+
+class ByName(nn.Module):
+    """tanh(fc(x)) as Hidden(h, h / 2), or nested, (Hidden(h, h), h / 2); reads its input by field name."""
+
+    def __init__(self, d_in: int, hidden: int, nested: bool) -> None:
+        super().__init__()
+        self.fc, self.nested = nn.Linear(d_in, hidden), nested
+
+    def forward(self, x: Any) -> Any:
+        if isinstance(x, Hidden):
+            x = x.hidden + x.res
+        elif isinstance(x, tuple):
+            x = x[0].hidden + x[1]
+        h = torch.tanh(self.fc(x))
+        return (Hidden(h, h), 0.5 * h) if self.nested else Hidden(h, 0.5 * h)
+
+
+def named_outputs(d_in: int = 6, hidden: int = 8, classes: int = 3, samples: int = 64,
+                  nested: bool = False) -> ModelSpec:
+    """Layers that return a named tuple the next one reads by name (flat, or nested in a tuple), then a head."""
+    layers: list[nn.Module] = [ByName(d_in, hidden, nested), ByName(hidden, hidden, nested),
+                               ByName(hidden, hidden, nested), nn.Sequential(_Sum(), Out(hidden, classes))]
+    return ModelSpec(layers=layers, loss_fn=F.cross_entropy, dataset=_data(d_in, classes, samples))
+
+
+class _Sum(nn.Module):
+    def forward(self, x: Any) -> torch.Tensor:
+        return x.hidden + x.res if isinstance(x, Hidden) else x[0].hidden + x[1]

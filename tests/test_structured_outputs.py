@@ -77,15 +77,67 @@ def test_an_output_no_stage_can_send_on_a_split_by_hand_stops_in_one_line() -> N
     assert "Traceback" not in proc.stderr
 
 
-def twice_runs(d: Path) -> Case:
-    return train(d, "tests.models_grads:returned_twice", SMALL, [(1, 1), (2, 1)], schedule="1f1b", m=4, steps=3,
-                 extra=OPT)
+def twice_runs(d: Path, pair: str) -> Case:
+    return train(d, "tests.models_grads:returned_twice", {**SMALL, "view_first": pair == "view_first"},
+                 [(1, 1), (2, 1)], schedule="1f1b", m=4, steps=3, extra=OPT)
 
 
+@pytest.mark.parametrize("pair", ["twice", "view_first"])
 @batched(twice_runs)
-def test_a_tensor_returned_twice_arrives_as_one_as_in_one_process(mpi: MpiRun) -> None:
-    """Layer 0 returns (h, h); the next stage's layer doubles the first in place, and in one process the second with
-    it. Before, the two arrived as two buffers: the second stayed as it was and the run trained other weights."""
-    want = reference("tests.models_grads:returned_twice", SMALL, steps=3, microbatches=4, optimizer="adamw", lr=0.01,
-                     weight_decay=0.01)
+def test_a_tensor_returned_twice_arrives_as_one_as_in_one_process(mpi: MpiRun, pair: str) -> None:
+    """Layer 0 returns (h, h), or (h.view(h.shape), h); the next stage's layer doubles the first in place, and in one
+    process the second with it. Before, (h, h) arrived as two buffers (the second stayed as it was and the run
+    trained other weights), and the whole view before its base was refused as a change to a tensor sent apart."""
+    want = reference("tests.models_grads:returned_twice", {**SMALL, "view_first": pair == "view_first"}, steps=3,
+                     microbatches=4, optimizer="adamw", lr=0.01, weight_decay=0.01)
     assert_same(saved(mpi), want)
+
+
+def named_runs(d: Path, nested: str) -> Case:
+    args = {**SMALL, "nested": nested == "nested"}
+    return train(d, "tests.models_grads:named_outputs", args, [(1, 1), (1, 1), (2, 1)], schedule="1f1b", m=4,
+                 steps=3, extra=OPT)
+
+
+@pytest.mark.parametrize("nested", ["flat", "nested"])
+@batched(named_runs)
+def test_a_named_tuple_arrives_as_itself(mpi: MpiRun, nested: str) -> None:
+    """The next stage's layer reads it by field name. A flat one arrived as a plain tuple ("'tuple' object has no
+    attribute 'hidden'", a traceback on that rank); a nested one was refused."""
+    want = reference("tests.models_grads:named_outputs", {**SMALL, "nested": nested == "nested"}, steps=3,
+                     microbatches=4, optimizer="adamw", lr=0.01, weight_decay=0.01)
+    assert_same(saved(mpi), want)
+
+
+def test_a_named_tuple_defined_in_a_function_is_refused_nested_and_sent_flat_as_a_tuple() -> None:
+    from collections import namedtuple
+
+    import torch
+
+    from pipeflow.structure import OutputError, join, split
+
+    Local = namedtuple("Local", ["a", "b"])  # noqa: PYI024
+    h = torch.ones(2, 3)
+    sent, tree = split(Local(h, 2 * h))
+    assert tree is None and len(sent) == 2 and type(join(sent, tree)) is tuple  # as before: a plain tuple
+    with pytest.raises(OutputError) as e:
+        split((Local(h, 2 * h), h + 1))
+    assert str(e.value) == (
+        "a stage's output holds the named tuple tests.test_structured_outputs:Local around other containers, which the "
+        "next stage cannot import by that name (a class defined inside a function): define it at module level, or "
+        "return tuples, lists and dicts")
+
+
+def test_a_constant_that_depends_on_the_data_is_named_as_such() -> None:
+    """A layer returning (h, float(h.mean())): the constant travels once per input shape, and a change stopped the run
+    saying the tensors changed "from [(2, 8) float64] to [(2, 8) float64]"."""
+    import torch
+
+    from pipeflow.structure import shape_change, split
+
+    h = torch.ones(2, 8, dtype=torch.float64)
+    metas = [([((2, 8), torch.float64, False)], split((h, value))[1]) for value in (0.25, 0.5)]
+    assert str(shape_change(1, *metas, "[(2, 6) float64]")) == (
+        "what is sent to rank 1 beside the tensors [(2, 8) float64] changed for inputs of the same shapes [(2, 6) "
+        "float64]: its structure or a constant (None, bool, int, float, str), which must not depend on the data: "
+        "return a value computed from it as a tensor")

@@ -29,3 +29,16 @@ def test_nonfinite_flag(dtype, bad):
     flag = nonfinite_flag(grads, torch.device("cpu"))
     assert flag.dtype == torch.float32 and flag.item() == (0.0 if bad is None else 1.0)
     assert all(torch.isfinite(t).all() for k, t in enumerate(grads) if k != 1)  # the check leaves them as they were
+
+
+def test_random_like_draws_for_a_dtype_without_a_normal_kernel() -> None:
+    """A gradient for a float8 output (torch.randn_like has no float8 kernel on a CPU: planning on the spot of a
+    model passing one between layers stopped with '"normal_kernel_cpu" not implemented for Float8_e4m3fn')."""
+    import torch
+
+    from pipeflow.tensorops import random_like
+
+    t = torch.zeros(3, 4, dtype=torch.float8_e4m3fn)
+    g = random_like(t)
+    assert g.dtype == torch.float8_e4m3fn and g.shape == (3, 4) and g.float().abs().sum() > 0
+    assert random_like(torch.zeros(2, dtype=torch.float64)).dtype == torch.float64
