@@ -30,7 +30,7 @@ from partitioner.simulate import SimResult, StageCost
 from partitioner.ties import split_tie_error
 from partitioner.topology import Level, Topology, format_bytes, parse_bytes
 from pipeflow.actions import ScheduleError
-from pipeflow.kinds import schedule_kind
+from pipeflow.kinds import InFlight, schedule_kind
 
 # --microbatches auto: the smallest power of two up to AUTO_MAX_MICROBATCHES whose simulated bubble (share
 # of worker time not computing, all-reduce waits included) is at most AUTO_BUBBLE; failing that, the
@@ -84,7 +84,7 @@ def _explain(model: CostModel, workers: int) -> PlanningError:
     st, need, fl = sol[0].stages[s], sim.peak_memory_bytes[s], sim.peak_in_flight[s]
     act = fl * costs[s].activation_bytes
     ways = [w for w in ("more workers", "sgd" * (model.optimizer != "sgd"), "fewer microbatches",
-                        "--schedule 1f1b" * (model.schedule != "1f1b")) if w]
+                        "--schedule 1f1b" * (model.kind.in_flight is InFlight.ALL)) if w]  # gpipe holds all m
     return PlanningError(
         f"no plan fits --memory-per-worker {format_bytes(limit or 0)}: even the fastest plan's stage {s} "
         f"(layers [{st.start}, {st.end}), {len(st.ranks)} replica(s)) needs {format_bytes(need)} "
