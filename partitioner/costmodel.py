@@ -191,14 +191,15 @@ class CostModel:
                      downstream: np.ndarray | int) -> np.ndarray:
         """Weights and their stashed versions, gradients and optimizer state (of the trainable ones), buffers, in-flight
         activations with what the stage holds of its boundary tensors (LayerCosts.boundary_bytes); on the stage of the
-        last layer, the loss's memory too; under CUDA graphs LayerCosts.graph_bytes of the local microbatches."""
+        last layer, the loss's memory too, what its backward keeps once per microbatch in flight; under CUDA graphs
+        LayerCosts.graph_bytes of the local microbatches."""
         lay, p, fl = self.layers, self.params(i, j), self.in_flight(downstream, r)
         states = OPTIMIZER_STATES[self.optimizer] / (np.asarray(r) if lay.shard_optimizer else 1)
         share = 1 / np.asarray(r) if lay.shard_optimizer else 1.0  # a deferred update's held gradient
         return (p * (1 + self.kind.stashed_versions(fl, share)) + self.trainable(i, j) * (1 + states)
                 + lay.buffers(i, j) + lay.graph_bytes(i, j, self.share(r)) + fl * (self.A[j] - self.A[i]
                                                                                   + lay.boundary_bytes(i, j))
-                + lay.loss_bytes * (np.asarray(j) == self.num_layers))
+                + ((fl - 1) * lay.loss_saved_bytes + lay.loss_bytes) * (np.asarray(j) == self.num_layers))
 
     def outside(self, level: int) -> int:
         """Workers outside one level-`level` group that may sit downstream of it (bound for D)."""

@@ -95,6 +95,8 @@ class LayerCosts:
     frozen_bytes: np.ndarray | None = None
     buffer_bytes: np.ndarray | None = None
     unsaved: tuple[np.ndarray, np.ndarray] | None = None
+    loss_saved_bytes: float = 0.0  # of loss_bytes, what its backward keeps: per microbatch in flight (LayerCosts.of
+    # fills the fields above positionally: new ones go last)
 
     @classmethod
     def of(cls, forward_ms: Sequence[float], backward_ms: Sequence[float], output_bytes: Sequence[float],
@@ -183,4 +185,5 @@ def layer_costs(profile: Profile, schedule: str, optimizer: str) -> LayerCosts:
         np.maximum(0.0, np.concatenate([[0.0], out[:-1]]) - mem["saved_input_bytes"]),
         np.maximum(0.0, out - mem["saved_output_bytes"]))
     return replace(lay, graphs=profile.timing == "graphs", ties=Ties.of(profile.ties, len(profile.layers)),
+                   loss_saved_bytes=min(profile.loss_saved_bytes or 0.0, lay.loss_bytes),
                    frozen_bytes=mem["frozen_bytes"], buffer_bytes=mem["buffer_bytes"], unsaved=unsaved)

@@ -40,21 +40,25 @@ def saved_parts(layer: nn.Module, x: Any) -> tuple[int, int, int]:
     return sum(seen.values()), ends[0], ends[1]
 
 
-def loss_bytes(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any, target: Any, device: torch.device) -> int:
+def loss_bytes(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any, target: Any,
+               device: torch.device) -> tuple[int, int]:
     """Memory the loss takes beyond the last layer's output, from its forward to the end of its backward, on top
-    of what the last stage holds (profile.json `loss_bytes`). On CUDA the allocator's peak over that window
-    (the GPT's fp32 logits, log-softmax and their gradients: about 12 bytes per logit); elsewhere what the loss
-    saves for its backward and the gradient of its input, a lower bound (temporaries are not seen)."""
+    of what the last stage holds (profile.json `loss_bytes`), and what of it the loss's backward keeps from its
+    forward on (`loss_saved_bytes`: held per microbatch in flight, all of them under gpipe). On CUDA the first is the
+    allocator's peak over that window (the GPT's fp32 logits, log-softmax and their gradients: about 12 bytes per
+    logit); elsewhere what the loss saves for its backward and the gradient of its input, a lower bound (temporaries
+    are not seen)."""
     x = prepare_input(output, device, None)
+    given = {_storage_key(t) for t in (*tensors(x), *tensors(target))}  # the stage holds these anyway
+    kept = _saved(lambda: loss_fn(x, target), given)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         loss_fn(x, target).backward()
         torch.cuda.synchronize(device)
-        return max(0, torch.cuda.max_memory_allocated(device) - base)
-    given = {_storage_key(t) for t in (*tensors(x), *tensors(target))}  # the stage holds these anyway
-    return _saved(lambda: loss_fn(x, target), given) + nbytes(x)
+        return max(0, torch.cuda.max_memory_allocated(device) - base, kept), kept
+    return kept + nbytes(x), kept
 
 
 def _saved(run: Callable[[], Any], exclude: set[tuple[int, int]], seen: dict[tuple[int, int], int] | None = None

@@ -65,8 +65,10 @@ def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int,
                                            fwd - scale * float(lay.forward_ms[a:b - 1].sum())))
             if lay.shard_optimizer else 0.0)  # (costmodel.update_ms)
         out.append(StageCost(fwd, scale * float(lay.backward_ms[a:b].sum()) + float(extra_b), send, ar, p,
-                             float(lay.activation_bytes[a:b].sum() + lay.boundary_bytes(a, b)), update, nbytes, weight,
-                             lay.latency_ms, lay.message_ms, lay.loss_bytes if b == L else 0.0, share,
+                             float(lay.activation_bytes[a:b].sum() + lay.boundary_bytes(a, b)
+                                   + (lay.loss_saved_bytes if b == L else 0.0)), update, nbytes, weight,
+                             lay.latency_ms, lay.message_ms, lay.loss_bytes - lay.loss_saved_bytes if b == L else 0.0,
+                             share,
                              bool(kind.reduce_waits_a_step(b == L, lay.shard_optimizer)), held - p,
                              float(lay.buffers(a, b))))
     for _, size, stages in lay.ties.across(ranges):  # a shared parameter's copies summed at the STEP (reduce.py)

@@ -1,19 +1,18 @@
 """profile.json (`pipeflow.profile/1`): Profile and LayerProfile dataclasses, load/save/validate. docs/formats.md
 says what every field means; this module checks them.
 
-Optional fields (a file without them is read as before, and readers that ignore unknown keys read files with them):
-per layer the backward with gradients already there (`backward_accumulate_ms`), its W share (`backward_weight_ms`),
-the same times with gemm accumulation (`*_gemm_ms`, partitioner/accumulation.py), the parameters without gradient
-(`frozen_bytes`, within parameter_bytes), the buffers (`buffer_bytes`) and what of its input and output the
-backward keeps (`saved_input_bytes`, `saved_output_bytes`: a stage holds the rest of its received input and sent
-output per microbatch in flight); at the top the loss (`loss_ms`, `loss_bytes`), the update and a weight copy per
-byte (`optimizer_ms_per_byte`, `copy_ms_per_byte`), the contention beside busy ranks (`contention`,
-`ranks_per_host`), the layers sharing parameters (`ties`, partitioner/ties.py), how the layers were timed
-(`timing`), the measured link (`link_bandwidth`), the runtime's own costs from a traced run
-(`python -m partitioner.calibrate`: RUNTIME_NUMBERS, `compute_factor`), and other microbatch sizes
-(`other_microbatch_sizes`: complete profiles of the same layers, for `pipeflow-plan --global-batch`; the top level is
-the first size, so older readers see a one-size profile). The planner uses them when present and counts them as 0
-(or backward_ms) when absent.
+Optional fields (a file without them is read as before, and readers that ignore unknown keys read files with them): per
+layer the backward with gradients already there (`backward_accumulate_ms`), its W share (`backward_weight_ms`), the
+same times with gemm accumulation (`*_gemm_ms`, partitioner/accumulation.py), the parameters without gradient
+(`frozen_bytes`, within parameter_bytes), the buffers (`buffer_bytes`) and what of its input and output the backward
+keeps (`saved_input_bytes`, `saved_output_bytes`: a stage holds the rest of its received input and sent output per
+microbatch in flight); at the top the loss (`loss_ms`, `loss_bytes`, `loss_saved_bytes`), the update and a weight copy
+per byte (`optimizer_ms_per_byte`, `copy_ms_per_byte`), the contention beside busy ranks (`contention`,
+`ranks_per_host`), the layers sharing parameters (`ties`, partitioner/ties.py), how the layers were timed (`timing`),
+the measured link (`link_bandwidth`), the runtime's own costs from a traced run (`python -m partitioner.calibrate`:
+RUNTIME_NUMBERS, `compute_factor`), and other microbatch sizes (`other_microbatch_sizes`: complete profiles of the same
+layers, for `pipeflow-plan --global-batch`; the top level is the first size, so older readers see a one-size profile).
+The planner uses them when present and counts them as 0 (or backward_ms) when absent.
 """
 from __future__ import annotations
 
@@ -120,6 +119,7 @@ class Profile:
     compute_factor: float | None = None  # the layers' time in a running stage / as profiled (calibrated)
     timing: str | None = None  # how the layers were timed (pipeflow-profile --timing; CPU: only "stage" is written)
     loss_bytes: float | None = None  # the loss's memory beyond its input, forward to backward (layermem.loss_bytes)
+    loss_saved_bytes: float | None = None  # of it, what the loss's backward keeps: held per microbatch in flight
     ranks_per_host: int | None = None  # timed beside this many - 1 busy companions (pipeflow-profile --ranks-per-host)
     copy_ms_per_byte: float | None = None  # one copy of the weights per byte (a stashed version; measure.py)
     contention: float | None = None  # a pass beside ranks_per_host - 1 busy companions over one alone (companion.py)
@@ -163,9 +163,10 @@ class Profile:
             layer.check(f"{source}: layers[{i}]")
         if self.loss_ms is not None and (not _is_number(self.loss_ms) or not 0 <= self.loss_ms <= MAX_MS):
             raise ProfileError(f"{source}: loss_ms must be a number in [0, {MAX_MS:g}], found {show(self.loss_ms)}")
-        if self.loss_bytes is not None and (not _is_number(self.loss_bytes) or not 0 <= self.loss_bytes <= MAX_BYTES):
-            raise ProfileError(f"{source}: loss_bytes must be a number in [0, {MAX_BYTES:g}], found "
-                               f"{show(self.loss_bytes)}")
+        for key in ("loss_bytes", "loss_saved_bytes"):
+            v = getattr(self, key)
+            if v is not None and (not _is_number(v) or not 0 <= v <= MAX_BYTES):
+                raise ProfileError(f"{source}: {key} must be a number in [0, {MAX_BYTES:g}], found {show(v)}")
         opt = self.optimizer_ms_per_byte
         if not isinstance(opt, dict) or not all(isinstance(k, str) and _is_number(v) and 0 <= v <= MAX_MS
                                                 for k, v in opt.items()):
@@ -234,8 +235,6 @@ class Profile:
                                         for layer in self.layers]}
         if self.loss_ms is not None:
             d["loss_ms"] = self.loss_ms
-        if self.loss_bytes is not None:
-            d["loss_bytes"] = self.loss_bytes
         if self.optimizer_ms_per_byte:
             d["optimizer_ms_per_byte"] = self.optimizer_ms_per_byte
         if self.others:
@@ -244,8 +243,8 @@ class Profile:
             d["link_bandwidth"] = self.link_bandwidth
         if self.timing is not None:
             d["timing"] = self.timing
-        d.update({k: getattr(self, k) for k in (*RUNTIME_NUMBERS, "compute_factor", "ranks_per_host",
-                                                "copy_ms_per_byte", "contention", "ties")
+        d.update({k: getattr(self, k) for k in (*RUNTIME_NUMBERS, "compute_factor", "ranks_per_host", "loss_bytes",
+                                                "loss_saved_bytes", "copy_ms_per_byte", "contention", "ties")
                   if getattr(self, k) is not None})
         return d
 
@@ -283,6 +282,7 @@ class Profile:
                        step_gap_ms=d.get("step_gap_ms"), layer_ms=d.get("layer_ms"), update_ms=d.get("update_ms"),
                        compute_factor=d.get("compute_factor"), timing=d.get("timing"),
                        loss_bytes=d.get("loss_bytes"), ranks_per_host=d.get("ranks_per_host"),
+                       loss_saved_bytes=d.get("loss_saved_bytes"),
                        copy_ms_per_byte=d.get("copy_ms_per_byte"), contention=d.get("contention"), ties=d.get("ties"))
         except ProfileError as e:
             # __post_init__ validated with the default source name; say which file.

@@ -152,7 +152,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
             peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None  # loss_bytes resets it
             loss_ms = time_loss(spec.loss_fn, prepare_input(x, dev, None), target, timer, warmup=warmup,
                                 repeats=repeats)
-            loss_mem = loss_bytes(spec.loss_fn, x, target, dev)
+            loss_mem, loss_kept = loss_bytes(spec.loss_fn, x, target, dev)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ProfileError(f"the model's loss failed on the last layer's output: {e}") from None
         chain, twin = None, None
@@ -187,7 +187,7 @@ def profile_model(spec: ModelSpec, microbatch_size: int, device: str | torch.dev
         warnings.append(note)
     return Profile(spec.name or "model", dict(spec.args), dev.type, name, microbatch_size,
                    [LayerProfile(**s) for s in layers], loss_ms, {optimizer: opt} if optimizer and opt else {},
-                   link_bandwidth=gpu_link_bandwidth(dev), loss_bytes=loss_mem,
+                   link_bandwidth=gpu_link_bandwidth(dev), loss_bytes=loss_mem, loss_saved_bytes=loss_kept,
                    device_peak_bytes=None if peak is None else max(peak, torch.cuda.max_memory_allocated(dev)),
                    timing=timing if dev.type == "cuda" or timing == "stage" else None,
                    ranks_per_host=ranks_per_host if beside else None, contention=slower or None,

@@ -164,11 +164,12 @@ def test_the_loss_memory_beyond_its_input_is_profiled(tmp_path: Path) -> None:
     out, target = torch.randn(64, 32, dtype=torch.float64), torch.randn(64, 32, dtype=torch.float64)
     # sin saves out*3 (64 x 32 doubles); mul saves the target (given already); the gradient of out: 64 x 32
     got = loss_bytes(lambda o, y: ((o * 3).sin() * y).sum(), out, target, torch.device("cpu"))
-    assert got == 2 * 64 * 32 * 8
+    assert got == (2 * 64 * 32 * 8, 64 * 32 * 8)  # and of it, what the backward keeps: out * 3
     spec = build_model("gpt", {"layers": 2, "d_model": 16, "heads": 2, "seq_len": 8, "vocab": 256})
     prof = profile_model(spec, 2, "cpu", warmup=0, repeats=1)
     # cross_entropy on fp32 logits keeps their log-softmax (2 x 8 x 256 floats), and their gradient as much
     assert prof.loss_bytes is not None and prof.loss_bytes >= 2 * (2 * 8 * 256 * 4)
+    assert prof.loss_saved_bytes is not None and prof.loss_saved_bytes >= 2 * 8 * 256 * 4
     prof.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json").loss_bytes == prof.loss_bytes
     with pytest.raises(ProfileError, match=r"^profile.json: loss_bytes must be a number in \[0, "):
