@@ -121,7 +121,7 @@ def calibrate(profile: Profile, plan: Plan, trace: Any, *, skip: int = 2, optimi
             a, b = st.layers
             profiled = busy * (float(lay.forward_ms[a:b].sum() + lay.backward_ms[a:b].sum())
                                + (lay.loss_ms if b == L else 0.0))
-            p = float(lay.parameter_bytes[a:b].sum() - lay.ties.repeated_bytes(a, b))  # a shared parameter once
+            p = float(lay.params(a, b))  # a shared parameter once
             rate = lay.optimizer_ms_per_byte / (st.replicas if pl.shard_optimizer else 1)  # sharded: 1/r of it
             upd = p * (rate + lay.copy_ms_per_byte * kind.copies_per_update(pl.replicas, s))
             own_per_mb: list[float] = []

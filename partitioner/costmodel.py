@@ -63,10 +63,9 @@ class CostModel:
     optimizer: str = "adam"
     memory_per_worker: float | None = None
     straight: bool = False
-    C: np.ndarray = field(init=False, repr=False)  # prefix sums: compute, backward, parameters, activations
+    C: np.ndarray = field(init=False, repr=False)  # prefix sums: compute, backward, forward, activations
     Bw: np.ndarray = field(init=False, repr=False)
     Fw: np.ndarray = field(init=False, repr=False)
-    P: np.ndarray = field(init=False, repr=False)
     A: np.ndarray = field(init=False, repr=False)
     kind: ScheduleKind = field(init=False, repr=False)
 
@@ -86,7 +85,6 @@ class CostModel:
         self.C = np.concatenate([zero, np.cumsum(t)])
         self.Bw = np.concatenate([zero, np.cumsum(lay.backward_ms)])
         self.Fw = np.concatenate([zero, np.cumsum(lay.forward_ms)])
-        self.P = np.concatenate([zero, np.cumsum(lay.parameter_bytes)])
         self.A = np.concatenate([zero, np.cumsum(lay.activation_bytes)])
 
     @property
@@ -115,7 +113,7 @@ class CostModel:
         """Compute bound of stage [i, k) on r units: U ceil(m / r) / m (PipeDream 1F1B-RR: r replicas share
         the m microbatches round-robin) plus, per step, the all-reduce beyond the last backward and the
         optimizer step."""
-        p = self.trainable(i, k)
+        p = self.layers.trainable(i, k)
         b = self.Bw[k] - self.Bw[i] + self.layers.stage_overhead_ms(i, k)[1]
         busy, last = np.asarray(unit_ms) * (self.share(r) / self.microbatches), np.asarray(k) == self.num_layers
         # beside the last backward, or under the whole next minibatch (2bw's deferred update, update.py)
@@ -135,26 +133,19 @@ class CostModel:
             out = np.where(self.layers.ties.splits(i, k), INF, out)
         return out
 
-    def params(self, i: np.ndarray | int, k: np.ndarray | int) -> np.ndarray:
-        """The parameter bytes of stage [i, k), each shared one once (LayerCosts.ties)."""
-        return np.asarray(self.P[k] - self.P[i] - self.layers.ties.repeated_bytes(i, k))
-
-    def trainable(self, i: np.ndarray | int, k: np.ndarray | int) -> np.ndarray:
-        """What of params(i, k) takes a gradient, optimizer state, an all-reduce and an update (not frozen)."""
-        return np.maximum(0.0, self.params(i, k) - self.layers.frozen(i, k))
-
     def update_ms(self, i: np.ndarray | int, k: np.ndarray | int, r: np.ndarray | float, level: int,
                   b: np.ndarray | float) -> np.ndarray:
         """One update of stage [i, k) (backward b a microbatch) on r units of `level`: the step over its p bytes, or
         sharded a 1/r share of it (at most as many as the topology's groups of this level hold) and what it waits of
         the exchange of the rest (ScheduleKind.exchange_exposed_ms; outer levels': the simulator), priced as an
         all-reduce, 2 (r - 1)/r p / bw: it moves half the bytes, at half the all-reduce's bandwidth (2 x H200)."""
-        lay, p = self.layers, self.trainable(i, k)
+        lay = self.layers
+        p = lay.trainable(i, k)
         if not lay.shard_optimizer:
             return np.asarray(lay.optimizer_ms_per_byte * p + lay.update_ms)
         r = np.asarray(r, dtype=np.float64)
         most = r * (self.topology.workers // self.topology.unit_size(level + 1))
-        fwd, first = self.stage_compute_ms(i, k) - b, (self.P[np.asarray(i) + 1] - self.P[i]) / np.maximum(p, 1.0)
+        fwd, first = self.stage_compute_ms(i, k) - b, lay.parameter_bytes[np.asarray(i)] / np.maximum(p, 1.0)
         sent = self.kind.exchange_exposed_ms(self.allreduce_ms(p, r, level), np.asarray(k) == self.num_layers, fwd,
                                              first, fwd - (self.Fw[np.asarray(k) - 1] - self.Fw[i]))
         return lay.optimizer_ms_per_byte * p / most + lay.update_ms + sent
@@ -193,10 +184,11 @@ class CostModel:
         activations with what the stage holds of its boundary tensors (LayerCosts.boundary_bytes); on the stage of the
         last layer, the loss's memory too, what its backward keeps once per microbatch in flight; under CUDA graphs
         LayerCosts.graph_bytes of the local microbatches."""
-        lay, p, fl = self.layers, self.params(i, j), self.in_flight(downstream, r)
+        lay, fl = self.layers, self.in_flight(downstream, r)
+        p = lay.params(i, j)
         states = OPTIMIZER_STATES[self.optimizer] / (np.asarray(r) if lay.shard_optimizer else 1)
         share = 1 / np.asarray(r) if lay.shard_optimizer else 1.0  # a deferred update's held gradient
-        return (p * (1 + self.kind.stashed_versions(fl, share)) + self.trainable(i, j) * (1 + states)
+        return (p * (1 + self.kind.stashed_versions(fl, share)) + lay.trainable(i, j) * (1 + states)
                 + lay.buffers(i, j) + lay.graph_bytes(i, j, self.share(r)) + fl * (self.A[j] - self.A[i]
                                                                                   + lay.boundary_bytes(i, j))
                 + ((fl - 1) * lay.loss_saved_bytes + lay.loss_bytes) * (np.asarray(j) == self.num_layers))

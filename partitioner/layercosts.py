@@ -119,18 +119,29 @@ class LayerCosts:
         return len(self.forward_ms)
 
     @cached_property
-    def _held(self) -> tuple[np.ndarray, np.ndarray]:
-        """Prefix sums of frozen_bytes and buffer_bytes."""
+    def _held(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Prefix sums of parameter_bytes, frozen_bytes and buffer_bytes."""
         return tuple(np.concatenate([[0.0], np.cumsum(c if c is not None else np.zeros(len(self)))])
-                     for c in (self.frozen_bytes, self.buffer_bytes))  # type: ignore[return-value]
+                     for c in (self.parameter_bytes, self.frozen_bytes, self.buffer_bytes))  # type: ignore[return-value]
+
+    def _sum(self, column: int, i: np.ndarray | int, k: np.ndarray | int) -> np.ndarray:
+        return np.asarray(self._held[column][np.asarray(k)] - self._held[column][np.asarray(i)])
+
+    def params(self, i: np.ndarray | int, k: np.ndarray | int) -> np.ndarray:
+        """The parameter bytes stage [i, k) holds, each shared one once (ties) (broadcasting over i and k)."""
+        return np.asarray(self._sum(0, i, k) - self.ties.repeated_bytes(i, k))
+
+    def trainable(self, i: np.ndarray | int, k: np.ndarray | int) -> np.ndarray:
+        """What of params(i, k) takes a gradient, optimizer state, an all-reduce and an update (not frozen)."""
+        return np.maximum(0.0, self.params(i, k) - self.frozen(i, k))
 
     def frozen(self, i: np.ndarray | int, k: np.ndarray | int) -> np.ndarray:
         """Bytes of [i, k)'s parameters that take no gradient and no optimizer state (the weights themselves only)."""
-        return np.asarray(self._held[0][np.asarray(k)] - self._held[0][np.asarray(i)])
+        return self._sum(1, i, k)
 
     def buffers(self, i: np.ndarray | int, k: np.ndarray | int) -> np.ndarray:
         """Bytes of [i, k)'s buffers, held once."""
-        return np.asarray(self._held[1][np.asarray(k)] - self._held[1][np.asarray(i)])
+        return self._sum(2, i, k)
 
     def boundary_bytes(self, i: np.ndarray | int, k: np.ndarray | int) -> np.ndarray | float:
         """Per microbatch in flight, what stage [i, k) holds of its received input (i > 0) and its sent output (k < L)

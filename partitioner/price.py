@@ -48,8 +48,7 @@ def stage_costs(lay: LayerCosts, topology: Topology, ranges: Sequence[tuple[int,
     schedule `kind`'s exchange_exposed_ms), and the all-reduce waits a STEP where kind.reduce_waits_a_step says so."""
     L, out = len(lay), []
     for t, ((a, b), rs) in enumerate(zip(ranges, ranks)):
-        held = float(lay.parameter_bytes[a:b].sum() - lay.ties.repeated_bytes(a, b))  # a shared parameter once
-        p = max(0.0, held - float(lay.frozen(a, b)))  # what takes gradients, state, all-reduce, update
+        held, p = float(lay.params(a, b)), float(lay.trainable(a, b))  # a shared parameter once; not frozen
         extra_f, extra_b = lay.stage_overhead_ms(a, b)  # the runtime's own time (costmodel, as in the DP)
         fwd = scale * (float(lay.forward_ms[a:b].sum()) + (lay.loss_ms if b == L else 0.0)) + float(extra_f)
         nbytes = float(lay.output_bytes[b - 1]) if t + 1 < len(ranges) else 0.0

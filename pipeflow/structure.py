@@ -79,10 +79,10 @@ def split(out: Any) -> tuple[list[torch.Tensor], Tree]:
     inside = _views(unique, ptrs)
     sending = [t for t in unique if id(t) not in inside]
     shared = _shared(sending, [p for t, p in zip(unique, ptrs) if id(t) not in inside])
-    named = _name_namedtuples(spec)  # False: one the next stage cannot import by name
     if len(unique) == len(tensors) and not inside and not shared and isinstance(out, tuple) and len(out) > 1 and all(
-            isinstance(v, torch.Tensor) for v in out) and (type(out) is tuple or named is not True):
+            isinstance(v, torch.Tensor) for v in out) and (type(out) is tuple or _name_namedtuples(spec) is not True):
         return tensors, None  # a flat named tuple defined in a function: a plain tuple there
+    named = _name_namedtuples(spec)  # not True: one the next stage cannot import by name
     try:
         text = treespec_dumps(spec)
     except NotImplementedError:
